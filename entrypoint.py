@@ -1,0 +1,44 @@
+"""The single mds command: `entrypoint <command> [flags]`.
+
+Each command lives in the package that owns its concern and exposes `main(argv) -> int`;
+this file only dispatches, so `entrypoint train` inside a spawned rank costs one import.
+A command appears here only once it works.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with main(argv) -> int, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+}
+
+
+def usage() -> str:
+    width = max((len(name) for name in COMMANDS), default=0)
+    lines = ["usage: entrypoint <command> [flags]   (entrypoint <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "--version":
+        from megatron_ds import __version__
+
+        print(f"mds {__version__}")
+        return 0
+    if name not in COMMANDS:
+        print(f"entrypoint: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Checkpoint save/load, exact resume and export."""

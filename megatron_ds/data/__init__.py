@@ -1,0 +1,1 @@
+"""Megatron indexed datasets, tokenizers, preprocessing and GPT sample indices."""

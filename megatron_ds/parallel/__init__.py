@@ -1,0 +1,1 @@
+"""Process groups and tensor/sequence-parallel building blocks (no model knowledge)."""

@@ -1,0 +1,1 @@
+"""The precision seam: fp32, bf16, fp16 today; FP8 (Transformer Engine, MS-AMP) slots in here."""

@@ -1,0 +1,1 @@
+"""Rank discovery, site profiles, launching and supervising ranks (knows nothing of models)."""

@@ -1,0 +1,1 @@
+"""Arguments, validation and the training loop: wires model, data, parallel and DeepSpeed."""
