@@ -12,6 +12,7 @@ import sys
 
 # name -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "launch": ("megatron_ds.runtime.launch_cli", "run any command as the ranks of this job (spawn + supervise, or map + exec)"),
 }
 
 

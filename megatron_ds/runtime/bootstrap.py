@@ -1,0 +1,164 @@
+"""Turn this process into a rank, or into the supervisor of this node's ranks.
+
+Policy (DESIGN.md "Two launch modes"): a process started by torchrun is a rank. Under a scheduler,
+a task that is one of several on its node is a rank (variables mapped, run in-process or exec'd);
+a task that is alone on its node spawns --nproc-per-node ranks (default: the GPUs it sees) when
+that is more than one. Without any launcher the same holds with one process on one machine.
+Spawned ranks get RANK = node_rank * nproc + local_rank and WORLD_SIZE = nodes * nproc.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megatron_ds.runtime import profiles
+from megatron_ds.runtime.discovery import DiscoveryError, RankInfo, as_spawned, discover, rank_env
+from megatron_ds.runtime.profiles import Profile, ProfileError
+from megatron_ds.runtime.supervisor import RankSpec, supervise
+
+USAGE_ERROR = 2
+
+
+def visible_gpus(env: Mapping[str, str] = os.environ, root: str = "/") -> int:
+    """GPUs this process may use, without importing torch (which costs seconds per rank)."""
+    for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        value = env.get(name)
+        if value is not None:
+            return len([d for d in value.split(",") if d.strip() and d.strip() != "-1"])
+    nvidia = glob.glob(os.path.join(root, "proc/driver/nvidia/gpus/*")) or glob.glob(os.path.join(root, "dev/nvidia[0-9]*"))
+    if nvidia:
+        return len(nvidia)
+    amd = 0  # kfd topology: CPU nodes have simd_count 0
+    for props in glob.glob(os.path.join(root, "sys/class/kfd/kfd/topology/nodes/*/properties")):
+        try:
+            with open(props) as handle:
+                amd += any(line.split()[:1] == ["simd_count"] and line.split()[1] != "0" for line in handle)
+        except OSError:
+            continue
+    return amd
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What this process will do, decided before anything is started."""
+
+    info: RankInfo
+    spawn: bool
+    nproc: int
+    nproc_why: str
+    profile: Profile
+    profile_why: str
+
+    def ranks(self) -> list[RankInfo]:
+        """The RankInfo of each rank this process becomes or spawns."""
+        if not self.spawn:
+            return [self.info]
+        return [as_spawned(self.info, local, self.nproc) for local in range(self.nproc)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
+              env: Mapping[str, str] = os.environ) -> Plan:
+    """Discover, choose the profile and the launch mode. Raises DiscoveryError / ProfileError."""
+    info = discover(env)
+    chosen, profile_why = profiles.choose(profile, env)
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise DiscoveryError(f"--nproc-per-node={nproc_per_node} must be >= 1")
+    gpus = visible_gpus(env)
+    if nproc_per_node is not None:
+        nproc, why = nproc_per_node, "--nproc-per-node"
+    elif gpus:
+        nproc, why = gpus, f"{gpus} visible GPU(s)"
+    else:
+        nproc, why = 1, "no GPU visible"
+    if info.source == "torchrun":
+        return Plan(info, False, 1, "RANK is set: this process is one rank", chosen, profile_why)
+    if info.local_world_size > 1:
+        return Plan(info, False, 1, f"{info.source} runs {info.local_world_size} tasks on this node: one rank each",
+                    chosen, profile_why)
+    if nproc > 1 and info.source == "none" and not env.get("MASTER_PORT"):
+        import dataclasses
+
+        info = dataclasses.replace(info, master_port=_free_port())
+    return Plan(info, nproc > 1, nproc, why, chosen, profile_why)
+
+
+def _warn(message: str) -> None:
+    print(f"mds: WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def prepare_env(plan: Plan, env: dict[str, str], *, strict: bool = False) -> list[profiles.Setting]:
+    """Apply the profile to `env` and check its libraries; with strict a missing plugin is an error."""
+    decided = profiles.apply(plan.profile, env)
+    for check in profiles.check_libraries(plan.profile, env):
+        if check.loaded is None:
+            message = (f"profile {plan.profile.name} needs {check.role} ({' or '.join(check.candidates)}) but none "
+                       f"can be loaded ({'; '.join(check.errors)[:300]}); collectives will fall back to slow TCP "
+                       f"sockets. Add its directory to LD_LIBRARY_PATH.")
+            if strict:
+                raise ProfileError(message)
+            _warn(message)
+    return decided
+
+
+def describe(plan: Plan) -> str:
+    i = plan.info
+    mode = f"spawning {plan.nproc} local rank(s) ({plan.nproc_why})" if plan.spawn else f"one rank ({plan.nproc_why})"
+    return (f"{i.source}: node {i.node_rank}/{i.num_nodes}, {mode}, world {plan.ranks()[0].world_size}, "
+            f"master {i.master_addr}:{i.master_port}, profile {plan.profile.name} ({plan.profile_why})")
+
+
+def bind_cpus(plan: Plan, local_rank: int, env: Mapping[str, str]) -> tuple[int, ...] | None:
+    cpus, why = profiles.cpus_for(plan.profile, local_rank, env)
+    if cpus is None and plan.profile.cpus_by_local_rank:
+        _warn(f"CPU binding skipped: {why}")
+    return cpus
+
+
+def rank_specs(plan: Plan, argv: list[str], base_env: dict[str, str]) -> list[RankSpec]:
+    specs = []
+    for info in plan.ranks():
+        env = dict(base_env)
+        env.update(rank_env(info))
+        specs.append(RankSpec(info.rank, info.local_rank, list(argv), env, bind_cpus(plan, info.local_rank, env)))
+    return specs
+
+
+def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, profile: str | None = None,
+                strict: bool = False, label: bool = False, tee_dir: str | None = None,
+                grace: float = 5.0) -> int | None:
+    """Called by `entrypoint train` after its config validated.
+
+    Returns None when this process is a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT set in os.environ, profile applied, CPUs bound); otherwise spawns
+    `entrypoint <child_argv>` per local rank, supervises them and returns the exit code.
+    """
+    try:
+        plan = make_plan(nproc_per_node, profile)
+        if not plan.spawn:
+            prepare_env(plan, os.environ, strict=strict)
+            os.environ.update(rank_env(plan.info))
+            cpus = bind_cpus(plan, plan.info.local_rank, os.environ)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if plan.info.rank == 0:
+                print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
+            return None
+        base = dict(os.environ)
+        prepare_env(plan, base, strict=strict)
+    except (DiscoveryError, ProfileError) as err:
+        print(f"entrypoint: {err}", file=sys.stderr)
+        return USAGE_ERROR
+    print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
+    argv = [sys.executable, "-m", "entrypoint", *child_argv]
+    return supervise(rank_specs(plan, argv, base), grace=grace, label=label, tee_dir=tee_dir)

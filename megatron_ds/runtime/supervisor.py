@@ -1,0 +1,174 @@
+"""Spawn the local ranks of one node and supervise them (the one-task-per-node launch mode).
+
+Each rank runs in its own session (process group), so stopping a rank also stops whatever it
+started. When one rank fails the others get SIGTERM, then SIGKILL once a shared grace deadline
+passes; every group is reaped, and the exit code is the first failed rank's (signal N -> 128+N).
+SIGTERM, SIGINT and SIGUSR1 received by the supervisor are forwarded to every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOPPING = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class RankSpec:
+    rank: int
+    local_rank: int
+    argv: list[str]
+    env: dict[str, str]
+    cpus: tuple[int, ...] | None = None
+
+
+def exit_code(returncode: int) -> int:
+    """Popen's -N (killed by signal N) becomes the shell's 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _child_setup(cpus: tuple[int, ...] | None):
+    """Runs in the child between fork and exec: die with the supervisor, bind CPUs."""
+    def setup() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
+def _log(message: str) -> None:
+    print(f"mds launch: {message}", file=sys.stderr, flush=True)
+
+
+class _Output:
+    """Copies a rank's merged stdout/stderr to our stdout, optionally labelled and teed to a file."""
+
+    lock = threading.Lock()
+
+    def __init__(self, spec: RankSpec, pipe, label: bool, tee_dir: str | None):
+        self.prefix = f"[rank{spec.rank}] ".encode() if label else b""
+        self.file = open(Path(tee_dir) / f"rank{spec.rank}.log", "wb") if tee_dir else None
+        self.thread = threading.Thread(target=self._pump, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, pipe) -> None:
+        out = sys.stdout.buffer
+        for line in iter(pipe.readline, b""):
+            with self.lock:
+                out.write(self.prefix + line)
+                out.flush()
+            if self.file:
+                self.file.write(line)
+                self.file.flush()
+        pipe.close()
+
+    def close(self) -> None:
+        self.thread.join(timeout=5)
+        if self.file:
+            self.file.close()
+
+
+class Supervisor:
+    def __init__(self, specs: list[RankSpec], *, grace: float = 5.0, label: bool = False, tee_dir: str | None = None):
+        self.specs, self.grace, self.label, self.tee_dir = specs, grace, label, tee_dir
+        self.procs: list[subprocess.Popen] = []
+        self.outputs: list[_Output] = []
+        self.failure: tuple[RankSpec, int] | None = None
+        self.stop_deadline: float | None = None
+        self.received: list[int] = []
+
+    # -- signals: forward at once; TERM/INT also start the shared stop deadline
+    def _on_signal(self, signum, _frame) -> None:
+        self.received.append(signum)
+        self._signal_all(signum)
+        if signum in STOPPING and self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.grace
+
+    def _signal_all(self, signum: int, only_live: bool = True) -> None:
+        for proc in self.procs:
+            if only_live and proc.poll() is not None:
+                continue
+            try:
+                os.killpg(proc.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _start(self) -> None:
+        piped = self.label or self.tee_dir is not None
+        if self.tee_dir:
+            Path(self.tee_dir).mkdir(parents=True, exist_ok=True)
+        for spec in self.specs:
+            self.procs.append(subprocess.Popen(
+                spec.argv, env=spec.env, start_new_session=True, preexec_fn=_child_setup(spec.cpus),
+                stdout=subprocess.PIPE if piped else None, stderr=subprocess.STDOUT if piped else None))
+        if piped:  # threads only after every fork: preexec_fn and threads do not mix
+            self.outputs = [_Output(s, p.stdout, self.label, self.tee_dir) for s, p in zip(self.specs, self.procs)]
+
+    def _close(self) -> None:
+        """TERM the live ranks, wait against one deadline, KILL the rest, reap all, clear the groups."""
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.grace
+            self._signal_all(signal.SIGTERM)
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < self.stop_deadline:
+            time.sleep(0.05)
+        if any(p.poll() is None for p in self.procs):
+            stragglers = [s.rank for s, p in zip(self.specs, self.procs) if p.poll() is None]
+            _log(f"rank(s) {stragglers} still alive {self.grace:g} s after SIGTERM: SIGKILL")
+            self._signal_all(signal.SIGKILL)
+
+    def run(self) -> int:
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED} if in_main else {}
+        try:
+            self._start()
+            while True:
+                codes = [p.poll() for p in self.procs]
+                for spec, code in zip(self.specs, codes):
+                    if code not in (None, 0) and self.failure is None:
+                        self.failure = (spec, exit_code(code))
+                        self._report()
+                        self._close()
+                if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
+                    self._close()
+                if all(c is not None for c in codes):
+                    break
+                time.sleep(0.05)
+            for proc in self.procs:
+                proc.wait()
+        finally:
+            self._signal_all(signal.SIGKILL, only_live=False)  # grandchildren left in a rank's group
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for output in self.outputs:
+                output.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return self.failure[1] if self.failure else 0
+
+    def _report(self) -> None:
+        spec, code = self.failure
+        how = f"killed by signal {code - 128} (exit {code})" if code > 128 else f"exited with code {code}"
+        after = f" after the launcher received signal {self.received[0]}" if self.received else ""
+        others = len([p for p in self.procs if p.poll() is None])
+        _log(f"root cause: rank {spec.rank} (local rank {spec.local_rank}, pid {self.procs[self.specs.index(spec)].pid}) "
+             f"{how}{after}; stopping {others} other rank(s)")
+
+
+def supervise(specs: list[RankSpec], *, grace: float = 5.0, label: bool = False, tee_dir: str | None = None) -> int:
+    """Run every rank to the end (or to the first failure) and return the launcher's exit code."""
+    return Supervisor(specs, grace=grace, label=label, tee_dir=tee_dir).run()
