@@ -1,0 +1,95 @@
+"""Causal attention behind one interface, with the kernel chosen once when the model is built.
+
+Backends: "flash2" (flash-attn 2, needs CUDA and bf16/fp16), "sdpa" (torch's
+scaled_dot_product_attention, which itself picks flash / cuDNN / memory-efficient kernels),
+"reference" (explicit softmax, for tests), "auto" (flash2 when importable and usable, else sdpa).
+
+All take q [b, s, nq, d] and k, v [b, s, nkv, d] (grouped-query attention when nkv < nq; query
+head i uses kv head i // (nq // nkv)) and return [b, s, nq, d].
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash2", "sdpa", "reference")
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(requested: str, params_dtype: torch.dtype = torch.bfloat16,
+                    cuda: bool | None = None) -> str:
+    """The backend that will run for ``requested``; raises ValueError when it cannot run here."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    half = params_dtype in (torch.bfloat16, torch.float16)
+    if requested == "auto":
+        return "flash2" if cuda and half and flash_attn_available() else "sdpa"
+    if requested == "flash2":
+        problems = [why for bad, why in ((not flash_attn_available(), "the flash_attn package is not installed"),
+                                         (not cuda, "no CUDA device is visible"),
+                                         (not half, f"params are {params_dtype}, flash-attn needs bf16 or fp16"))
+                    if bad]
+        if problems:
+            raise ValueError("attention backend flash2 cannot run: " + "; ".join(problems))
+    return requested
+
+
+def _expand_kv(x: torch.Tensor, groups: int, head_dim: int) -> torch.Tensor:
+    """Repeat each kv head ``groups`` times along ``head_dim`` (works on every torch >= 2.1)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=head_dim)
+
+
+def _flash2(q, k, v, dropout_p: float) -> torch.Tensor:
+    from flash_attn import flash_attn_func  # native GQA: nkv may divide nq
+
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+
+
+def _sdpa(q, k, v, dropout_p: float) -> torch.Tensor:
+    groups = q.size(2) // k.size(2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+    k, v = _expand_kv(k, groups, 1), _expand_kv(v, groups, 1)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True).transpose(1, 2)
+
+
+def _reference(q, k, v, dropout_p: float) -> torch.Tensor:
+    groups = q.size(2) // k.size(2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+    k, v = _expand_kv(k, groups, 1), _expand_kv(v, groups, 1)
+    s = q.size(2)
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.size(-1))  # [b, heads, s, s]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype)
+    probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+    return (probs @ v).transpose(1, 2)
+
+
+_KERNELS = {"flash2": _flash2, "sdpa": _sdpa, "reference": _reference}
+
+
+class CoreAttention(torch.nn.Module):
+    """softmax(q k^T / sqrt(d), causal) v with the backend resolved at construction (``resolved_backend``)."""
+
+    def __init__(self, backend: str = "auto", dropout: float = 0.0, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.requested_backend = backend
+        self.resolved_backend = resolve_backend(backend, params_dtype)
+        self.dropout = dropout
+        self._kernel = _KERNELS[self.resolved_backend]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.resolved_backend == "flash2" and not q.is_cuda:
+            raise RuntimeError("attention backend flash2 was chosen at build time but the model runs on "
+                               f"{q.device}; build with attention_backend='sdpa' for CPU")
+        return self._kernel(q, k, v, self.dropout if self.training else 0.0)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.resolved_backend}, dropout={self.dropout}"

@@ -1,0 +1,338 @@
+"""The GPT, top to bottom: norms, rotary embeddings, attention, MLP, transformer layer, the pipeline
+pieces (EmbeddingStage, TransformerLayer, FinalNorm, OutputHead) and GPTModel composed of them.
+
+GPT-2 style: learned positions, LayerNorm, GeLU, tied input/output embeddings, biases.
+LLaMA style: rope, RMSNorm, SwiGLU, grouped-query attention, untied output, no biases.
+
+Layout: activations between pieces are ONE tensor [s, b, h] (sequence first, as Megatron), or
+[s/tp, b, h] sequence shards when ``config.sequence_parallel``; that is what pipeline stages send.
+Tokens and labels are [b, s]. Logits are this rank's vocabulary slice [s, b, V/tp]; labels go to
+``lm_loss``, never through the stages.
+
+Tensor parallelism comes from the parallel layers and the TP group of megatron_ds.parallel.state
+at build time (no group: TP=1). Each weight is drawn from a generator seeded by
+(config.seed, layer number, name) on the full matrix and then sliced, so TP=N and PP=N build the
+same model as one process does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_ds.model.attention import CoreAttention
+from megatron_ds.model.config import GPTConfig
+from megatron_ds.parallel import state
+from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                         seeded_normal, tp_rank, tp_replicated, tp_size)
+from megatron_ds.parallel.mappings import all_gather_sequence, copy_to_tp, reduce_from_tp, reduce_scatter_sequence
+
+
+def _tp_group_for(config: GPTConfig):
+    """The TP group of the current parallel state, after checking the shape fits it."""
+    group = state.get_state().tp_group
+    config.validate(tp_size(group))
+    return group
+
+
+def _init(config: GPTConfig, layer_number: int, name: str, *, scaled: bool = False):
+    """N(0, init_method_std), divided by sqrt(2 * num_layers) for the projections that feed the
+    residual stream (attention output, MLP output), as Megatron's scaled_init_method_normal."""
+    std = config.init_method_std / (math.sqrt(2.0 * config.num_layers) if scaled else 1.0)
+    return seeded_normal(std, config.seed, layer_number, name)
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dim; replicated over TP.
+
+    Under sequence parallelism each rank normalises its own sequence shard, so the weight's
+    gradient is a partial sum: ``tp_replicated`` all-reduces it over TP during backward, and the
+    parameters carry ``sequence_parallel=True``.
+    """
+
+    def __init__(self, config: GPTConfig, group):
+        super().__init__()
+        self.group, self.sequence_parallel = group, config.sequence_parallel
+        self.rms, self.eps = config.normalization == "RMSNorm", config.norm_epsilon
+        h, dtype = config.hidden_size, config.params_dtype
+        self.weight = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(h, dtype=dtype))
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = tp_replicated(self.weight, self.group, self.sequence_parallel)
+        if self.rms:
+            xf = x.float()  # the mean of squares in fp32 even for bf16 activations
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
+        bias = tp_replicated(self.bias, self.group, self.sequence_parallel)
+        return F.layer_norm(x, (x.size(-1),), weight, bias, self.eps)
+
+
+def rotary_tables(seq_length: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [s, 1, 1, d] in fp32, computed per call (cheap; no buffer that a later
+    .bfloat16() could round)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_length, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, d], halves rotate together
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + d/2]) of x [s, b, n, d] (the GPT-NeoX / LLaMA-HF convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention; heads split over TP (fused QKV column-parallel, output row-parallel).
+
+    The fused QKV weight is [q; k; v] (sizes nq*d, nkv*d, nkv*d); each of the three is split over TP
+    on its own, so a rank holds nq/tp query heads and the nkv/tp kv heads they use.
+    """
+
+    def __init__(self, config: GPTConfig, layer_number: int, group):
+        super().__init__()
+        h, d, tp = config.hidden_size, config.head_dim, tp_size(group)
+        q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
+        self.head_dim = d
+        self.local_q_heads = config.num_attention_heads // tp
+        self.local_kv_heads = config.num_key_value_heads // tp
+        self.rope_base = config.rotary_base if config.position_embedding_type == "rope" else None
+        common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype)
+        self.qkv = ColumnParallelLinear(h, q_size + 2 * kv_size, splits=[q_size, kv_size, kv_size],
+                                        init=_init(config, layer_number, "attention.qkv"), **common)
+        self.core = CoreAttention(config.attention_backend, config.attention_dropout, config.params_dtype)
+        self.proj = RowParallelLinear(q_size, h, init=_init(config, layer_number, "attention.proj", scaled=True),
+                                      **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, (nq + 2 nkv) / tp * d], full sequence even under SP
+        s, b, _ = qkv.shape
+        d, nq, nkv = self.head_dim, self.local_q_heads, self.local_kv_heads
+        q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+        q, k, v = q.view(s, b, nq, d), k.view(s, b, nkv, d), v.view(s, b, nkv, d)
+        if self.rope_base is not None:
+            cos, sin = rotary_tables(s, d, self.rope_base, x.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [b, s, nq, d]
+        return self.proj(out.transpose(0, 1).reshape(s, b, nq * d))
+
+
+class MLP(nn.Module):
+    """h -> ffn -> h; ffn split over TP. GeLU, or SwiGLU with a fused [gate; up] column-parallel weight."""
+
+    def __init__(self, config: GPTConfig, layer_number: int, group):
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.swiglu = config.swiglu
+        common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype)
+        self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, splits=[f, f] if self.swiglu else None,
+                                        init=_init(config, layer_number, "mlp.fc1"), **common)
+        self.fc2 = RowParallelLinear(f, h, init=_init(config, layer_number, "mlp.fc2", scaled=True), **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). [s, b, h] -> [s, b, h].
+
+    ``layer_number`` counts from 1 (Megatron) and seeds this layer's weights. With
+    ``checkpoint_activations`` the block is recomputed in backward (non-reentrant checkpoint).
+    """
+
+    def __init__(self, config: GPTConfig, layer_number: int):
+        super().__init__()
+        group = _tp_group_for(config)
+        self.layer_number = layer_number
+        self.checkpoint_activations = config.checkpoint_activations
+        self.dropout = config.hidden_dropout
+        self.input_norm = Norm(config, group)
+        self.attention = SelfAttention(config, layer_number, group)
+        self.post_attention_norm = Norm(config, group)
+        self.mlp = MLP(config, layer_number, group)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + F.dropout(self.attention(self.input_norm(x)), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.post_attention_norm(x)), self.dropout, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class EmbeddingStage(nn.Module):
+    """tokens [b, s] -> hidden [s, b, h] ([s/tp, b, h] under SP): vocab-parallel word embeddings,
+    plus learned positions when configured, then dropout.
+
+    ``logits(hidden)`` is the tied output head: this rank's vocabulary slice [s, b, V/tp] computed
+    with the same weight. On the last pipeline stage build it with ``positions=False``: only the
+    word embedding weight is tied (``.weight``, what DeepSpeed's tied_weight_attr names).
+    """
+
+    def __init__(self, config: GPTConfig, positions: bool = True):
+        super().__init__()
+        self.group = _tp_group_for(config)
+        self.sequence_parallel = config.sequence_parallel
+        self.dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
+                                                      init=_init(config, 0, "word_embeddings"),
+                                                      params_dtype=config.params_dtype)
+        self.position_embeddings = None
+        if positions and config.position_embedding_type == "learned_absolute":
+            full = _init(config, 0, "position_embeddings")((config.max_position_embeddings, config.hidden_size))
+            self.position_embeddings = nn.Parameter(full.to(config.params_dtype))
+            self.position_embeddings.sequence_parallel = config.sequence_parallel
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The word embedding table (this rank's vocabulary rows); tied with the output head."""
+        return self.word_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.size(1)
+        x = self.word_embeddings(tokens.t())  # partial sums [s, b, h]: rows this rank owns
+        if self.sequence_parallel:
+            x = reduce_scatter_sequence(x, self.group)  # [s/tp, b, h]
+            first = tp_rank(self.group) * x.size(0)
+        else:
+            x = reduce_from_tp(x, self.group)
+            first = 0
+        if self.position_embeddings is not None:
+            if s > self.position_embeddings.size(0):
+                raise ValueError(f"sequence length {s} exceeds --max-position-embeddings "
+                                 f"{self.position_embeddings.size(0)}")
+            positions = tp_replicated(self.position_embeddings, self.group, self.sequence_parallel)
+            x = x + positions[first:first + x.size(0)].unsqueeze(1)
+        return F.dropout(x, self.dropout, self.training)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [s(/tp), b, h] -> local logits [s, b, V/tp] with the tied word embedding weight."""
+        x = all_gather_sequence(hidden, self.group) if self.sequence_parallel else copy_to_tp(hidden, self.group)
+        return F.linear(x, self.word_embeddings.weight)
+
+
+class FinalNorm(nn.Module):
+    """The norm after the last layer. [s, b, h] -> [s, b, h]."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm = Norm(config, _tp_group_for(config))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class OutputHead(nn.Module):
+    """Untied output layer: hidden [s(/tp), b, h] -> local logits [s, b, V/tp] (column-parallel, no bias)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.linear = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=_tp_group_for(config),
+                                           bias=False, sequence_parallel=config.sequence_parallel,
+                                           init=_init(config, config.num_layers + 1, "output_layer"),
+                                           params_dtype=config.params_dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden)
+
+
+def lm_loss(local_logits: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
+    """Per-token fp32 loss [b, s] from local logits [s, b, V/tp] and labels [b, s].
+
+    ``group`` defaults to the current TP group. Loss masking and averaging are the caller's.
+    """
+    group = state.get_state().tp_group if group is None else group
+    return vocab_parallel_cross_entropy(local_logits, labels.t(), group).t()
+
+
+class GPTModel(nn.Module):
+    """EmbeddingStage -> TransformerLayer x L -> FinalNorm -> logits (tied) or OutputHead (untied).
+
+    ``forward(tokens [b, s], labels [b, s] | None)``: per-token loss [b, s] fp32 with labels, else
+    this rank's logits [b, s, V/tp].
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = EmbeddingStage(config)
+        self.layers = nn.ModuleList(TransformerLayer(config, n) for n in range(1, config.num_layers + 1))
+        self.final_norm = FinalNorm(config)
+        self.output_head = None if config.tied_embeddings else OutputHead(config)
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention kernel that runs (resolved from config.attention_backend at build time)."""
+        return self.layers[0].attention.core.resolved_backend
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embedding(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        hidden = self.final_norm(hidden)
+        logits = self.embedding.logits(hidden) if self.output_head is None else self.output_head(hidden)
+        if labels is None:
+            return logits.transpose(0, 1)
+        return lm_loss(logits, labels)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline piece, DeepSpeed-neutral: ``module_class(*args, **kwargs)`` builds it.
+
+    ``tied_key`` names pieces that share a weight (``tied_weight_attr``) across stages, i.e.
+    DeepSpeed's TiedLayerSpec(key, module_class, *args, forward_fn=..., tied_weight_attr=...);
+    ``forward_fn(module, x)`` replaces ``module(x)`` when set (the tied head calls ``logits``).
+    """
+
+    kind: str  # "embedding" | "layer" | "final_norm" | "head"
+    module_class: type
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    tied_key: str | None = None
+    tied_weight_attr: str = "weight"
+    forward_fn: object = None
+
+    def build(self) -> nn.Module:
+        return self.module_class(*self.args, **self.kwargs)
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Run ``module`` (built from this spec) the way the pipeline will."""
+        return self.forward_fn(module, x) if self.forward_fn is not None else module(x)
+
+
+def gpt_stage_specs(config: GPTConfig) -> list[StageSpec]:
+    """The pieces of GPTModel in order; running them one after another equals GPTModel(config).
+
+    Input of the first piece: tokens [b, s]; between pieces: hidden [s, b, h] ([s/tp, b, h] under
+    SP); output of the last: local logits [s, b, V/tp] for ``lm_loss(logits, labels)``.
+    """
+    config.validate(tp_size(state.get_state().tp_group))
+    tied = "embed" if config.tied_embeddings else None
+    specs = [StageSpec("embedding", EmbeddingStage, (config,), tied_key=tied)]
+    specs += [StageSpec("layer", TransformerLayer, (config, n)) for n in range(1, config.num_layers + 1)]
+    specs.append(StageSpec("final_norm", FinalNorm, (config,)))
+    if tied:
+        specs.append(StageSpec("head", EmbeddingStage, (config,), {"positions": False}, tied_key=tied,
+                               forward_fn=EmbeddingStage.logits))
+    else:
+        specs.append(StageSpec("head", OutputHead, (config,)))
+    return specs

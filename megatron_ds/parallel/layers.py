@@ -1,0 +1,163 @@
+"""Tensor-parallel layers whose weights are sliced from one full, seeded matrix.
+
+Every layer is handed an ``init`` callable that returns the FULL tensor for a shape; the layer
+keeps only this rank's slice. Given the same init, TP=N holds exactly the slices of TP=1's weights,
+so the two are equal by construction (at the cost of materialising the full matrix once on CPU).
+
+Parameter attributes, read by the optimizer side (DeepSpeed's grad-norm, checkpoint converters):
+``tensor_model_parallel`` (sliced over TP), ``partition_dim`` (which dim), ``sequence_parallel``
+(replicated over TP but used on sequence shards; its gradient is already summed over TP by
+``copy_to_tp`` in the forward, see ``tp_replicated``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
+                                           reduce_scatter_sequence)
+
+Init = Callable[[tuple[int, ...]], torch.Tensor]
+
+
+def seeded_normal(std: float, *key: object) -> Init:
+    """Init drawing N(0, std) from a generator seeded by ``key`` (e.g. (seed, layer_number, name)).
+
+    The stream depends on the key only, never on which other parameters were built before, so a
+    pipeline stage that builds only its own layers gets the same weights as the full model.
+    """
+    digest = hashlib.sha256(repr(key).encode()).digest()
+
+    def init(shape: tuple[int, ...]) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+    return init
+
+
+def tp_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def tp_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def slice_chunks(full: torch.Tensor, splits: Sequence[int], dim: int, group) -> torch.Tensor:
+    """This rank's part of ``full`` along ``dim``, which is a concatenation of chunks of ``splits`` sizes.
+
+    Each chunk is split over TP on its own and the local pieces are concatenated again: a fused
+    [q; k; v] or [gate; up] matrix thus keeps all its chunks on every rank.
+    """
+    n, r = tp_size(group), tp_rank(group)
+    pieces = []
+    for chunk in full.split(list(splits), dim=dim):
+        if chunk.size(dim) % n:
+            raise ValueError(f"a weight chunk of size {chunk.size(dim)} cannot be split over {n} tensor-parallel ranks")
+        pieces.append(chunk.chunk(n, dim=dim)[r])
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def _param(tensor: torch.Tensor, dtype: torch.dtype, **attrs: object) -> nn.Parameter:
+    p = nn.Parameter(tensor.to(dtype))
+    for name, value in attrs.items():
+        setattr(p, name, value)
+    return p
+
+
+def tp_replicated(weight: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """A TP-replicated weight as used in the forward: under sequence parallelism each rank sees only
+    its sequence shard, so the weight's gradient must be summed over TP; ``copy_to_tp`` does that in
+    the backward (forward: identity, backward: all-reduce), so p.grad is complete after backward
+    whatever DeepSpeed does with it next (ZeRO 2/3 included). No call after backward is needed."""
+    return copy_to_tp(weight, group) if sequence_parallel else weight
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (output features) over TP: each rank computes its output slice.
+
+    ``splits`` declares a fused weight made of chunks (e.g. q, k, v sizes) each split on its own.
+    Input: [s, b, in] replicated (or [s/tp, b, in] sequence shards when ``sequence_parallel``,
+    gathered here). Output: [s, b, out/tp], or the full [s, b, out] with ``gather_output``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init: Init, group=None, bias: bool = True,
+                 splits: Sequence[int] | None = None, sequence_parallel: bool = False,
+                 gather_output: bool = False, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        splits = list(splits or [output_size])
+        if sum(splits) != output_size:
+            raise ValueError(f"splits {splits} must add up to output_size {output_size}")
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.weight = _param(slice_chunks(init((output_size, input_size)), splits, 0, group), params_dtype,
+                             tensor_model_parallel=True, partition_dim=0)
+        self.bias = (_param(torch.zeros(output_size // tp_size(group)), params_dtype,
+                            tensor_model_parallel=True, partition_dim=0) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = all_gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (input features) over TP: each rank adds a partial sum.
+
+    Input: [s, b, in/tp] (the output of a ColumnParallelLinear). Output: [s, b, out] summed over TP,
+    or [s/tp, b, out] sequence shards (reduce-scatter) when ``sequence_parallel``. The bias is
+    replicated and added after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init: Init, group=None, bias: bool = True,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _param(slice_chunks(init((output_size, input_size)), [input_size], 1, group), params_dtype,
+                             tensor_model_parallel=True, partition_dim=1)
+        self.bias = (_param(torch.zeros(output_size), params_dtype, sequence_parallel=sequence_parallel)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        if self.bias is not None:
+            y = y + tp_replicated(self.bias, self.group, self.sequence_parallel)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by rows (vocabulary) over TP: each rank looks up the ids it owns.
+
+    ``forward`` returns this rank's partial embeddings (zeros for ids another rank owns), of shape
+    tokens.shape + (h,); the caller sums them over TP (``reduce_from_tp``) after any transpose, so
+    the one all-reduce happens on the layout it wants.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init: Init, group=None,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.group = group
+        n, r = tp_size(group), tp_rank(group)
+        if num_embeddings % n:
+            raise ValueError(f"vocabulary size {num_embeddings} is not divisible by {n} tensor-parallel ranks")
+        self.vocab_start = r * num_embeddings // n
+        self.vocab_end = (r + 1) * num_embeddings // n
+        self.weight = _param(slice_chunks(init((num_embeddings, embedding_dim)), [num_embeddings], 0, group),
+                             params_dtype, tensor_model_parallel=True, partition_dim=0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tp_size(self.group) == 1:
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def full(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Complete embeddings, summed over TP (forward: all-reduce, backward: identity)."""
+        return reduce_from_tp(self(tokens), self.group)

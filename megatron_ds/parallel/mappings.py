@@ -1,0 +1,185 @@
+"""Tensor-parallel communication as conjugate autograd pairs.
+
+Each public helper takes an explicit process group and says what it does forward and backward;
+the backward of one is the forward of its partner. With ``group=None`` or a group of one rank
+every helper is the identity, so the same model code runs without torch.distributed.
+
+Two pairs work on the last (hidden) dimension, two on the first (sequence) dimension: activations
+use the [s, b, h] layout, so sequence parallelism splits dim 0 and each chunk is contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still hold
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = _size(group)
+    if x.size(dim) % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = _size(group)
+    x = x.contiguous()
+    if dim == 0 and dist.get_backend(group) != "gloo":
+        out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = _size(group)
+    if x.size(dim) % n:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
+    if dim == 0 and dist.get_backend(group) != "gloo":
+        x = x.contiguous()
+        out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
+    # gloo has no reduce-scatter: all-reduce then keep our chunk (CPU tests only).
+    return _split(_all_reduce(x, group), dim, group)
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+# --- pair 1: replicated input -> partial outputs (column-parallel in, row-parallel out) ---
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: identity. Backward: all-reduce the gradient over ``group``.
+
+    Put in front of work that each rank does on its own slice of a replicated input (a
+    column-parallel matmul, or a replicated weight used on a sequence shard).
+    """
+    return x if _size(group) == 1 else _Copy.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-reduce (sum) over ``group``. Backward: identity."""
+    return x if _size(group) == 1 else _Reduce.apply(x, group)
+
+
+# --- pair 2: the last dimension ---
+
+def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
+    return x if _size(group) == 1 else _Scatter.apply(x, x.dim() - 1, group)
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-gather the last dim. Backward: keep this rank's chunk of the last dim."""
+    return x if _size(group) == 1 else _Gather.apply(x, x.dim() - 1, group)
+
+
+# --- pair 3 and 4: the sequence (first) dimension, for sequence parallelism ---
+
+def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's chunk of dim 0 (no communication). Backward: all-gather dim 0.
+
+    For an activation that is replicated over ``group`` entering the sequence-parallel region.
+    """
+    return x if _size(group) == 1 else _Scatter.apply(x, 0, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-gather dim 0. Backward: keep this rank's chunk of dim 0.
+
+    For leaving the sequence-parallel region into work that is replicated over ``group``
+    (its gradient is the same on every rank).
+    """
+    return x if _size(group) == 1 else _Gather.apply(x, 0, group)
+
+
+def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-gather dim 0. Backward: reduce-scatter dim 0.
+
+    In front of a column-parallel matmul: each rank's gradient of the gathered input is a partial
+    sum over its output columns, so the backward sums them and hands each rank its sequence chunk.
+    """
+    return x if _size(group) == 1 else _GatherReduceScatter.apply(x, 0, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: reduce-scatter dim 0 (sum partial outputs, keep our chunk). Backward: all-gather dim 0.
+
+    After a row-parallel matmul under sequence parallelism (replaces ``reduce_from_tp``).
+    """
+    return x if _size(group) == 1 else _ReduceScatter.apply(x, 0, group)

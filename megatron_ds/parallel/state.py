@@ -1,0 +1,216 @@
+"""Process groups for tensor (TP), data (DP) and pipeline (PP) parallelism.
+
+Rank order is Megatron's and DeepSpeed's: TP fastest, then DP, then PP, i.e.
+``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. TP peers are neighbours, so on a node
+they share NVLink; DeepSpeed's pipeline topology ("pipe", "data", "model") lays ranks out the same
+way, which lets its engine and our layers agree on who is whom.
+
+``ParallelDims`` is pure arithmetic and validates before any process group exists;
+``init_parallel`` then creates the groups and ``get_state`` hands them out by name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+class ParallelConfigError(ValueError):
+    """A tp x pp x dp layout that cannot fit the world; the message names every factor."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """world = tp * pp * dp, checked before any group exists."""
+
+    world: int
+    tp: int
+    pp: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("world size", self.world), ("tensor-model-parallel-size", self.tp),
+                            ("pipeline-model-parallel-size", self.pp)):
+            if not isinstance(value, int) or value < 1:
+                raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.world % (self.tp * self.pp):
+            raise ParallelConfigError(
+                f"world size {self.world} is not divisible by tensor-model-parallel-size {self.tp} x "
+                f"pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}; "
+                f"data-parallel size would be {self.world / (self.tp * self.pp):g}")
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+
+@dataclass
+class ParallelState:
+    """This rank's coordinates and groups (a group is None when torch.distributed is not initialised)."""
+
+    dims: ParallelDims
+    rank: int
+    tp_group: object = None
+    dp_group: object = None
+    pp_group: object = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.dims.coords(self.rank)[2]
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, first stage first."""
+        return [self.dims.rank_of(p, self.dp_rank, self.tp_rank) for p in range(self.pp_size)]
+
+    def mpu(self) -> "DeepSpeedMPU":
+        return DeepSpeedMPU(self)
+
+
+_STATE: ParallelState | None = None
+
+
+def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None) -> ParallelState:
+    """Init torch.distributed from env:// if needed, then build the TP/DP/PP groups.
+
+    Every rank must call this (``new_group`` is collective), with the same tp and pp.
+    """
+    global _STATE
+    if not dist.is_initialized():
+        if backend is None:
+            import torch
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"init_parallel: torch.distributed is not initialised and {', '.join(missing)} "
+                               "unset; launch through `entrypoint` (or torchrun) so env:// can rendezvous")
+        dist.init_process_group(backend=backend, init_method="env://")
+    dims = ParallelDims(dist.get_world_size(), tp, pp)
+    rank = dist.get_rank()
+    state = ParallelState(dims, rank)
+    for attr, groups in (("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()),
+                         ("pp_group", dims.pp_groups())):
+        for ranks in groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                setattr(state, attr, group)
+    _STATE = state
+    return state
+
+
+def get_state() -> ParallelState:
+    """The state from init_parallel, or a single-process TP=PP=DP=1 state when none was built."""
+    if _STATE is None:
+        return ParallelState(ParallelDims(1, 1, 1), 0)
+    return _STATE
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy() -> None:
+    """Forget the groups and tear down torch.distributed (if we or anyone initialised it)."""
+    global _STATE
+    _STATE = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class DeepSpeedMPU:
+    """The ``mpu`` object DeepSpeed expects (Megatron's method names).
+
+    "Model parallel" means tensor parallel here, as in DeepSpeed's own pipeline grid: DeepSpeed
+    reduces gradient norms over this group and counts replicated parameters on its rank 0 only.
+    """
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+
+    def get_model_parallel_rank(self) -> int:
+        return self.state.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.state.tp_size
+
+    def get_model_parallel_group(self):
+        return self.state.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_slice_parallel_rank = get_model_parallel_rank
+    get_slice_parallel_world_size = get_model_parallel_world_size
+    get_slice_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.state.rank - self.state.tp_rank
+
+    def get_data_parallel_rank(self) -> int:
+        return self.state.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.state.dp_size
+
+    def get_data_parallel_group(self):
+        return self.state.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        s = self.state
+        return [s.dims.rank_of(s.pp_rank, d, s.tp_rank) for d in range(s.dp_size)]
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.state.pp_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.state.pp_size
+
+    def get_pipe_parallel_group(self):
+        return self.state.pp_group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+
+
+def mpu() -> DeepSpeedMPU:
+    """DeepSpeed's ``mpu`` for the current state (``deepspeed.initialize(..., mpu=mpu())``)."""
+    return get_state().mpu()
