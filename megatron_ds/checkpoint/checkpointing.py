@@ -1,0 +1,199 @@
+"""save() and load(): DeepSpeed's checkpoint files plus mds's metadata and per-rank RNG states.
+
+DeepSpeed writes the model, optimizer and ZeRO partitions, LR scheduler and loss scaler into
+``<dir>/<tag>/``. We give it a temporary tag, add our metadata and one RNG file per rank, make
+every byte durable (each rank fsyncs the files it wrote), and only then does rank 0 rename the
+directory into place and move ``latest``. See layout.py for why that ordering is crash-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from argparse import Namespace
+
+import torch
+import torch.distributed as dist
+
+from megatron_ds.checkpoint import layout as paths
+from megatron_ds.checkpoint import metadata as meta
+from megatron_ds.checkpoint import rng
+from megatron_ds.checkpoint.metadata import CheckpointError, Layout
+
+_last_saved: tuple[str, int] | None = None  # (save dir, iteration) of this process's last save
+
+
+def _log(message: str) -> None:
+    if _rank() == 0:
+        print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def current_layout(engine) -> Layout:
+    """This job's world, TP/PP/DP sizes (from megatron_ds.parallel) and ZeRO stage (from the engine)."""
+    from megatron_ds.parallel import state as parallel
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if parallel.is_initialized():
+        s = parallel.get_state()
+        tp, pp, dp = s.tp_size, s.pp_size, s.dp_size
+    else:
+        tp, pp, dp = 1, 1, world
+    return Layout(world_size=world, tp=tp, pp=pp, dp=dp, zero_stage=int(engine.zero_optimization_stage()))
+
+
+@contextlib.contextmanager
+def _fsync_each_write(engine):
+    """Make DeepSpeed's checkpoint engine fsync every file this rank writes (only the writer can)."""
+    ckpt_engine = getattr(engine, "checkpoint_engine", None)
+    original = getattr(ckpt_engine, "save", None)
+    if original is None:
+        yield
+        return
+
+    def save_and_fsync(state_dict, path, *args, **kwargs):
+        result = original(state_dict, path, *args, **kwargs)
+        if isinstance(path, str) and os.path.isfile(path):
+            paths.fsync_file(path)
+        return result
+
+    ckpt_engine.save = save_and_fsync
+    try:
+        yield
+    finally:
+        del ckpt_engine.save  # back to the class's method
+
+
+def save(engine, args: Namespace, state) -> str | None:
+    """Write a checkpoint of ``state.iteration`` to ``args.save``; collective (every rank calls it).
+
+    Returns the published directory (None when this iteration was already saved by this process).
+    """
+    global _last_saved
+    save_dir = os.path.abspath(args.save)
+    iteration = int(state.iteration)
+    if _last_saved == (save_dir, iteration):
+        return None
+    rank = _rank()
+    tag, tmp_tag = paths.tag_for(iteration), paths.tmp_tag_for(iteration)
+    tmp_dir = os.path.join(save_dir, tmp_tag)
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        removed = paths.remove_stale_temporaries(save_dir)
+        if removed:
+            _log(f"removed leftovers of interrupted saves: {', '.join(removed)}")
+    _barrier()
+
+    client_state = {
+        "iteration": iteration,
+        "consumed_train_samples": int(state.consumed_train_samples),
+        "consumed_valid_samples": int(getattr(state, "consumed_valid_samples", 0)),
+    }
+    with _fsync_each_write(engine):
+        engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
+    rng_path = os.path.join(tmp_dir, rng.rng_file_name(rank))
+    torch.save(rng.capture(), rng_path)
+    paths.fsync_file(rng_path)
+    _barrier()  # every rank's files are durable under the temporary name
+
+    if rank == 0:
+        layout = current_layout(engine)
+        metadata = meta.build(args, layout, iteration, client_state["consumed_train_samples"],
+                              client_state["consumed_valid_samples"], meta.manifest(tmp_dir))
+        meta.write(tmp_dir, metadata)
+        paths.fsync_dir(tmp_dir)
+        paths.publish(save_dir, tmp_tag, tag)
+        _log(f"saved iteration {iteration} to {os.path.join(save_dir, tag)}")
+        pruned = paths.prune(save_dir, getattr(args, "keep_last_n_checkpoints", None) or 0)
+        if pruned:
+            _log(f"keep-last-{args.keep_last_n_checkpoints}: removed {', '.join(pruned)}")
+    _barrier()
+    _last_saved = (save_dir, iteration)
+    return os.path.join(save_dir, tag)
+
+
+def resolve(load_dir: str) -> tuple[str, str] | None:
+    """(tag, directory) of the checkpoint ``latest`` names in load_dir, or None when there is none."""
+    tag = paths.read_latest(load_dir)
+    if tag is None:
+        return None
+    directory = os.path.join(load_dir, tag)
+    if not os.path.isdir(directory):
+        moved_aside = os.path.join(load_dir, paths.TRASH_PREFIX + tag)
+        if os.path.isdir(moved_aside):  # killed between the two renames of a re-save: the old copy is whole
+            return paths.TRASH_PREFIX + tag, moved_aside
+        raise CheckpointError(f"--load {load_dir}: 'latest' names {tag!r} but {directory} does not exist")
+    return tag, directory
+
+
+def load(engine, args: Namespace):
+    """Load the checkpoint ``latest`` names in ``args.load`` into the engine; collective.
+
+    Returns the TrainState to continue from, or None when there is nothing to load (no --load, or
+    --load equal to --save and still empty: the first run of a job that resumes itself).
+    --finetune loads the weights only and restarts at iteration 0; --no-load-optim skips the
+    optimizer and LR scheduler; --no-load-rng skips the RNG states.
+    """
+    if not getattr(args, "load", None):
+        return None
+    load_dir = os.path.abspath(args.load)
+    found = resolve(load_dir)
+    if found is None:
+        same_as_save = getattr(args, "save", None) and os.path.abspath(args.save) == load_dir
+        if same_as_save and not paths.list_checkpoints(load_dir):
+            _log(f"no checkpoint in {load_dir} yet: starting from scratch")
+            return None
+        what = "does not exist" if not os.path.isdir(load_dir) else "has no 'latest' checkpoint"
+        raise CheckpointError(f"--load {load_dir} {what}")
+    tag, directory = found
+    finetune = bool(getattr(args, "finetune", False))
+    load_optim = not finetune and not getattr(args, "no_load_optim", False)
+    load_rng = not finetune and not getattr(args, "no_load_rng", False)
+
+    metadata = meta.read(directory)
+    meta.check_complete(directory, metadata)
+    layout = current_layout(engine)
+    meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory)
+
+    loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optim,
+                                       load_lr_scheduler_states=load_optim, load_module_only=finetune)
+    if loaded is None:
+        raise CheckpointError(f"DeepSpeed found no model states in {directory}")
+    if load_rng:
+        rng.restore(torch.load(os.path.join(directory, rng.rng_file_name(_rank())), map_location="cpu",
+                               weights_only=False))
+    _barrier()
+    train_state = _train_state_class()
+    if finetune:
+        _log(f"--finetune: loaded weights of iteration {metadata['iteration']} from {directory}; "
+             "starting at iteration 0")
+        return train_state(iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+    _log(f"resuming from iteration {metadata['iteration']} ({metadata['consumed_train_samples']} samples) "
+         f"of {directory}" + ("" if load_optim else " without optimizer state")
+         + ("" if load_rng else " without RNG state"))
+    return train_state(iteration=metadata["iteration"],
+                       consumed_train_samples=metadata["consumed_train_samples"],
+                       consumed_valid_samples=metadata["consumed_valid_samples"])
+
+
+def _train_state_class():
+    """The training loop's TrainState (training imports us, so look it up at call time)."""
+    for module_name in ("megatron_ds.training.state", "megatron_ds.training.loop"):
+        try:
+            module = __import__(module_name, fromlist=["TrainState"])
+        except ImportError:
+            continue
+        if hasattr(module, "TrainState"):
+            return module.TrainState
+    from megatron_ds.checkpoint.state import TrainState
+
+    return TrainState

@@ -1,0 +1,154 @@
+"""mds's description of a checkpoint (``mds_checkpoint.json``) and the checks made before loading one.
+
+DeepSpeed's files hold tensors; this small JSON file says what they are: the training arguments,
+the iteration and data position, the parallel layout that wrote them, and a manifest of every
+file with its size. Loading compares it with the running job first, so that a mismatched or
+partial checkpoint is an error naming the difference instead of a shape error deep in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from argparse import Namespace
+from dataclasses import asdict, dataclass
+
+METADATA_FILE = "mds_checkpoint.json"
+FORMAT = "mds-checkpoint/1"
+
+# Arguments that fix the shape of the weights: a checkpoint only fits a model with the same values.
+MODEL_SHAPE_ARGS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_query_groups",
+    "ffn_hidden_size", "padded_vocab_size", "position_embedding_type", "use_rotary_position_embeddings",
+    "normalization", "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear",
+)
+# How the weights are sliced across ranks; a different layout would need resharding.
+LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+_LEARNED_POSITIONS = "max_position_embeddings"  # sizes a weight only with learned absolute positions
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this run; the message names the file or argument."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+
+
+def jsonable(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+def build(args: Namespace, layout: Layout, iteration: int, consumed_train_samples: int,
+          consumed_valid_samples: int, files: dict[str, int]) -> dict:
+    from megatron_ds import __version__
+
+    return {
+        "format": FORMAT,
+        "mds_version": __version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "layout": asdict(layout),
+        "args": {k: jsonable(v) for k, v in sorted(vars(args).items())},
+        "files": files,
+    }
+
+
+def write(directory: str, metadata: dict) -> str:
+    path = os.path.join(directory, METADATA_FILE)
+    with open(path, "w") as f:
+        json.dump(metadata, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def read(directory: str) -> dict:
+    path = os.path.join(directory, METADATA_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{directory} is not a complete mds checkpoint: {METADATA_FILE} is missing "
+            "(a save that was interrupted, or a directory written by another tool)")
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is unreadable: {exc}") from exc
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {metadata.get('format')!r}, this mds reads {FORMAT!r}")
+    return metadata
+
+
+def manifest(directory: str) -> dict[str, int]:
+    """{relative path: size} of every file under a checkpoint directory."""
+    files = {}
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            files[os.path.relpath(path, directory)] = os.path.getsize(path)
+    return dict(sorted(files.items()))
+
+
+def check_complete(directory: str, metadata: dict) -> None:
+    """Every file the manifest lists exists with its recorded size."""
+    problems = []
+    for rel, size in metadata["files"].items():
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            problems.append(f"{rel} is missing")
+        elif os.path.getsize(path) != size:
+            problems.append(f"{rel} has {os.path.getsize(path)} bytes, the save wrote {size}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"checkpoint {directory} is partial: {shown}")
+
+
+def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_optim: bool,
+                     load_rng: bool, directory: str) -> None:
+    """Raise CheckpointError naming every argument in which the checkpoint and this run differ."""
+    saved_args = metadata["args"]
+    saved_layout = metadata["layout"]
+    problems = []
+
+    def compare(name: str) -> None:
+        if name in saved_args and hasattr(args, name):
+            ours = jsonable(getattr(args, name))
+            if saved_args[name] != ours:
+                problems.append(f"--{name.replace('_', '-')}: checkpoint {saved_args[name]!r}, this run {ours!r}")
+
+    for name in MODEL_SHAPE_ARGS:
+        compare(name)
+    if saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and not saved_args.get(
+            "use_rotary_position_embeddings"):
+        compare(_LEARNED_POSITIONS)
+    for name, key in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp")):
+        if saved_layout[key] != getattr(layout, key):
+            problems.append(f"--{name.replace('_', '-')}: checkpoint {saved_layout[key]}, this run "
+                            f"{getattr(layout, key)} (resharding is not supported; use the same layout)")
+    if load_optim and saved_layout["zero_stage"] > 0 and saved_layout["dp"] != layout.dp:
+        problems.append(f"data-parallel size: checkpoint {saved_layout['dp']}, this run {layout.dp}; ZeRO stage "
+                        f"{saved_layout['zero_stage']} optimizer partitions need the same data-parallel size "
+                        "(or pass --no-load-optim)")
+    if load_optim and saved_layout["zero_stage"] != layout.zero_stage:
+        problems.append(f"--zero-stage: checkpoint {saved_layout['zero_stage']}, this run {layout.zero_stage} "
+                        "(the optimizer state is laid out per stage; pass --no-load-optim to load weights only)")
+    if load_rng and saved_layout["world_size"] != layout.world_size:
+        problems.append(f"world size: checkpoint {saved_layout['world_size']} ranks, this run {layout.world_size} "
+                        "(each rank restores its own RNG state; pass --no-load-rng)")
+    if problems:
+        raise CheckpointError(f"checkpoint {directory} does not match this run:\n  " + "\n  ".join(problems))
