@@ -1,0 +1,50 @@
+"""Training samples to per-rank micro-batches, deterministic in (seed, iteration, DP rank).
+
+Global batch i is samples [i*G, (i+1)*G) of the (already shuffled) GPTDataset. It is cut into
+gradient-accumulation steps of micro x DP samples, and DP rank r takes its micro-batch slice of each
+(Megatron's pretraining sampler), so every DP layout sees exactly the same global batch.
+A sample of seq_length+1 tokens gives tokens = sample[:-1] and labels = sample[1:].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+def num_samples(args) -> tuple[int, int, int]:
+    """Megatron's (train, valid, test) sample counts: evaluation runs every eval-interval and at the end."""
+    train = args.train_iters * args.global_batch_size
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    return train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size
+
+
+def build_datasets(args):
+    """(train, valid, test) GPTDatasets from --data-path/--split (rank 0 builds the index caches)."""
+    from megatron_ds.data.gpt_dataset import build_gpt_datasets
+
+    return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples(args),
+                              cache_dir=args.data_cache_path)
+
+
+class MicroBatches:
+    """Iterator over this DP rank's micro-batches of one global batch: (tokens [b,s], labels [b,s])."""
+
+    def __init__(self, dataset, first_sample: int, *, micro_batch_size: int, dp_size: int, dp_rank: int,
+                 accumulation_steps: int, device: torch.device):
+        self.dataset, self.first = dataset, first_sample
+        self.mbs, self.dp, self.dp_rank, self.steps, self.device = (micro_batch_size, dp_size, dp_rank,
+                                                                    accumulation_steps, device)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for step in range(self.steps):
+            start = self.first + step * self.mbs * self.dp + self.dp_rank * self.mbs
+            rows = [np.asarray(self.dataset[(start + j) % len(self.dataset)], dtype=np.int64)
+                    for j in range(self.mbs)]
+            batch = torch.from_numpy(np.stack(rows))  # [b, s+1]
+            yield (batch[:, :-1].contiguous().to(self.device), batch[:, 1:].contiguous().to(self.device))

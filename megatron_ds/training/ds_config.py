@@ -1,0 +1,44 @@
+"""The DeepSpeed config: built from the validated flags, on top of the user's --deepspeed_config.
+
+Flags and file were checked to agree in arguments.validate, so here the flag values simply win. The
+user's other sections (communication, ZeRO tuning, an optimizer or scheduler section...) are kept.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron_ds.precision import Precision
+
+
+def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
+    config = copy.deepcopy(args.ds_config_file or {})
+    config.update({
+        "train_batch_size": args.global_batch_size,
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.clip_grad,
+        "steps_per_print": 10**9,  # we print our own Megatron-style line
+        "wall_clock_breakdown": False,
+        # Our optimizer is torch's AdamW (fused on CUDA); DeepSpeed's ZeRO handles it fine.
+        "zero_allow_untested_optimizer": True,
+    })
+    zero = dict(config.get("zero_optimization") or {})
+    zero["stage"] = args.zero_stage
+    config["zero_optimization"] = zero
+    config.update(precision.deepspeed_config())
+    optimizer = config.get("optimizer")
+    if optimizer and on_cpu and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        # DeepSpeed's FusedAdam is a CUDA op; torch's Adam(W) is the CPU path.
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    return config
+
+
+def optimizer_from_config(config: dict) -> bool:
+    """True when the user's DeepSpeed config defines the optimizer (then DeepSpeed builds it, not us)."""
+    return bool(config.get("optimizer"))
+
+
+def scheduler_from_config(config: dict) -> bool:
+    """True when the user's DeepSpeed config defines an LR scheduler (then our schedule stays out)."""
+    return bool(config.get("scheduler"))

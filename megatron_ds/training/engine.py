@@ -1,0 +1,180 @@
+"""Model + optimizer + DeepSpeed engine, in one commented order.
+
+PP > 1: DeepSpeed's PipelineModule from the model's stage specs (tied embeddings via TiedLayerSpec,
+PipeModelDataParallelTopology in the same rank order as megatron_ds.parallel.state) and its pipeline
+engine (ZeRO-0/1). PP = 1: the plain GPTModel on a plain DeepSpeed engine (ZeRO 0-3), which is also
+what --no-pipeline-parallel asks for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_ds.model.config import GPTConfig
+from megatron_ds.model.gpt import GPTModel, gpt_stage_specs, lm_loss
+from megatron_ds.parallel.state import ParallelState
+from megatron_ds.precision import Precision
+from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
+from megatron_ds.training.lr_schedule import ScheduledLR
+from megatron_ds.training.lr_schedule import from_args as schedule_from_args
+
+
+def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfig:
+    """The GPTConfig the validated flags describe."""
+    rotary_base = int(args.rotary_base) if float(args.rotary_base).is_integer() else args.rotary_base
+    return GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=padded_vocab_size, seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
+        rotary_base=rotary_base, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, attention_backend=args.attention_backend,
+        sequence_parallel=args.sequence_parallel, checkpoint_activations=args.checkpoint_activations,
+        params_dtype=precision.params_dtype, seed=args.seed,
+    )
+
+
+def pipeline_module(config: GPTConfig, state: ParallelState):
+    """DeepSpeed PipelineModule: one LayerSpec per stage spec; the tied embedding/head as TiedLayerSpec."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    layers = []
+    for spec in gpt_stage_specs(config):
+        if spec.tied_key is not None:
+            layers.append(TiedLayerSpec(spec.tied_key, spec.module_class, *spec.args, forward_fn=spec.forward_fn,
+                                        tied_weight_attr=spec.tied_weight_attr, **spec.kwargs))
+        else:
+            layers.append(LayerSpec(spec.module_class, *spec.args, **spec.kwargs))
+    # axes pipe, data, model: model fastest -> rank = pp*(dp*tp) + dp*tp + tp, as parallel.state.
+    topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
+    tp_group = state.tp_group
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, labels, tp_group).mean()  # mean per-token loss of this micro-batch
+
+    return PipelineModule(layers=layers, loss_fn=loss_fn, topology=topology,
+                          partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch AdamW that can measure (and clip by) the global gradient norm itself.
+
+    Used when DeepSpeed hands the step straight to our optimizer (ZeRO-0, fp32): DeepSpeed's own
+    clipping there neither reports the norm nor knows which weights the pipeline duplicates. With
+    ZeRO or bf16/fp16 DeepSpeed's optimizer wrapper measures and clips, and `norm_fn` stays None.
+    """
+
+    norm_fn = None
+    max_norm = 0.0
+    _global_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.norm_fn is not None:
+            norm = self.norm_fn()
+            self._global_grad_norm = norm
+            if self.max_norm > 0 and math.isfinite(norm) and norm > self.max_norm:
+                scale = self.max_norm / (norm + 1e-6)
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+        return super().step(closure)
+
+
+def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's split: weight decay on matrices, none on biases and norm weights (1-D)."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+def grad_norm_fn(module: torch.nn.Module, state: ParallelState, pipelined: bool):
+    """Global L2 norm of the gradients, each distinct weight counted once across TP and PP.
+
+    TP-replicated weights (no ``tensor_model_parallel`` attribute) count on TP rank 0 only; a tied
+    embedding repeated on the last pipeline stage counts on the first stage only.
+    """
+    counted = []
+    for name, p in module.named_parameters():
+        if not getattr(p, "tensor_model_parallel", False) and state.tp_rank != 0:
+            continue
+        if pipelined and name.startswith("tied_modules.") and state.pp_rank != 0:
+            continue
+        counted.append(p)
+
+    def norm() -> float:
+        total = torch.zeros(1, dtype=torch.float64, device=counted[0].device if counted else "cpu")
+        for p in counted:
+            if p.grad is not None:
+                total += p.grad.detach().double().pow(2).sum()
+        for size, group in ((state.tp_size, state.tp_group), (state.pp_size, state.pp_group)):
+            if size > 1:
+                dist.all_reduce(total, group=group)
+        return float(total.sqrt())
+
+    return norm
+
+
+@dataclass
+class Built:
+    engine: object
+    pipelined: bool
+    config: GPTConfig
+    attention_backend: str
+    own_lr_schedule: bool
+
+
+def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
+    import deepspeed
+
+    config = model_config(args, precision, padded_vocab_size)
+    pipelined = state.pp_size > 1
+    # DeepSpeed's comm layer wraps the process group that parallel.state created (PipelineModule needs it).
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    # 1. the model (TP-sliced layers built against the current parallel state)
+    module = pipeline_module(config, state) if pipelined else GPTModel(config)
+    # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
+    module = precision.wrap_model(module)
+    # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)
+    ds_config = build_ds_config(args, precision, on_cpu=not torch.cuda.is_available())
+    optimizer = lr_scheduler = None
+    own_lr = not scheduler_from_config(ds_config)
+    if not optimizer_from_config(ds_config):
+        kwargs = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        if torch.cuda.is_available():
+            kwargs["fused"] = True
+        optimizer = AdamW(_param_groups(module, args.weight_decay), **kwargs)
+        if args.zero_stage == 0 and precision.name == "fp32":
+            optimizer.norm_fn = grad_norm_fn(module, state, pipelined)
+            optimizer.max_norm = args.clip_grad
+            ds_config["gradient_clipping"] = 0.0  # we clip, with the correct norm
+    schedule = schedule_from_args(args)
+    if own_lr:
+        lr_scheduler = (ScheduledLR(optimizer, schedule) if optimizer is not None
+                        else (lambda opt: ScheduledLR(opt, schedule)))
+    # 4. DeepSpeed: the pipeline engine takes its grid from the PipelineModule, the plain one our mpu
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
+        model_parameters=None if optimizer is not None else _param_groups(module, args.weight_decay),
+        mpu=None if pipelined else state.mpu(), dist_init_required=False)
+    return Built(engine, pipelined, config, _resolved_backend(module), own_lr)
+
+
+def _resolved_backend(module: torch.nn.Module) -> str:
+    for sub in module.modules():
+        backend = getattr(sub, "resolved_backend", None)
+        if backend is not None:
+            return backend
+    return "unknown"
