@@ -30,7 +30,8 @@ from megatron_ds.model.config import GPTConfig
 from megatron_ds.parallel import state
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         seeded_normal, tp_rank, tp_replicated, tp_size)
+                                         seeded_normal, sequence_parallel_dropout, tp_rank, tp_replicated,
+                                         tp_size)
 from megatron_ds.parallel.mappings import all_gather_sequence, copy_to_tp, reduce_from_tp, reduce_scatter_sequence
 
 
@@ -159,18 +160,24 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_number: int):
         super().__init__()
-        group = _tp_group_for(config)
+        self.group = group = _tp_group_for(config)
         self.layer_number = layer_number
         self.checkpoint_activations = config.checkpoint_activations
+        self.sequence_parallel = config.sequence_parallel
         self.dropout = config.hidden_dropout
         self.input_norm = Norm(config, group)
         self.attention = SelfAttention(config, layer_number, group)
         self.post_attention_norm = Norm(config, group)
         self.mlp = MLP(config, layer_number, group)
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return sequence_parallel_dropout(x, self.dropout, self.training, self.group)
+        return F.dropout(x, self.dropout, self.training)
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + F.dropout(self.attention(self.input_norm(x)), self.dropout, self.training)
-        return x + F.dropout(self.mlp(self.post_attention_norm(x)), self.dropout, self.training)
+        x = x + self._drop(self.attention(self.input_norm(x)))
+        return x + self._drop(self.mlp(self.post_attention_norm(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_activations and torch.is_grad_enabled():
@@ -221,6 +228,8 @@ class EmbeddingStage(nn.Module):
                                  f"{self.position_embeddings.size(0)}")
             positions = tp_replicated(self.position_embeddings, self.group, self.sequence_parallel)
             x = x + positions[first:first + x.size(0)].unsqueeze(1)
+        if self.sequence_parallel:
+            return sequence_parallel_dropout(x, self.dropout, self.training, self.group)
         return F.dropout(x, self.dropout, self.training)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

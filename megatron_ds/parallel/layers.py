@@ -5,7 +5,8 @@ keeps only this rank's slice. Given the same init, TP=N holds exactly the slices
 so the two are equal by construction (at the cost of materialising the full matrix once on CPU).
 
 Parameter attributes, read by the optimizer side (DeepSpeed's grad-norm, checkpoint converters):
-``tensor_model_parallel`` (sliced over TP), ``partition_dim`` (which dim), ``sequence_parallel``
+``tensor_model_parallel`` (sliced over TP), ``partition_dim`` and ``partition_splits`` (how, see
+``slice_chunks``), ``sequence_parallel``
 (replicated over TP but used on sequence shards; its gradient is already summed over TP by
 ``copy_to_tp`` in the forward, see ``tp_replicated``).
 """
@@ -49,19 +50,24 @@ def tp_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def slice_chunks(full: torch.Tensor, splits: Sequence[int], dim: int, group) -> torch.Tensor:
-    """This rank's part of ``full`` along ``dim``, which is a concatenation of chunks of ``splits`` sizes.
+def slice_chunks(full: torch.Tensor, splits: Sequence[int], dim: int, size: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank`` of ``size``'s part of ``full`` along ``dim``, a concatenation of chunks of ``splits`` sizes.
 
     Each chunk is split over TP on its own and the local pieces are concatenated again: a fused
-    [q; k; v] or [gate; up] matrix thus keeps all its chunks on every rank.
+    [q; k; v] or [gate; up] matrix thus keeps all its chunks on every rank. Parameters record
+    their ``partition_dim`` and ``partition_splits``, so converters can undo this.
     """
-    n, r = tp_size(group), tp_rank(group)
+    n, r = size, rank
     pieces = []
     for chunk in full.split(list(splits), dim=dim):
         if chunk.size(dim) % n:
             raise ValueError(f"a weight chunk of size {chunk.size(dim)} cannot be split over {n} tensor-parallel ranks")
         pieces.append(chunk.chunk(n, dim=dim)[r])
     return torch.cat(pieces, dim=dim).contiguous()
+
+
+def _slice(full: torch.Tensor, splits: Sequence[int], dim: int, group) -> torch.Tensor:
+    return slice_chunks(full, splits, dim, tp_size(group), tp_rank(group))
 
 
 def _param(tensor: torch.Tensor, dtype: torch.dtype, **attrs: object) -> nn.Parameter:
@@ -79,6 +85,22 @@ def tp_replicated(weight: torch.Tensor, group, sequence_parallel: bool) -> torch
     return copy_to_tp(weight, group) if sequence_parallel else weight
 
 
+def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, group) -> torch.Tensor:
+    """Dropout on a sequence shard [s/tp, ...] that draws the FULL sequence's mask and keeps our rows.
+
+    Every TP rank shares the default RNG state (as Megatron seeds it), so plain dropout would give
+    each shard the same pattern; drawing the full mask costs tp x the random numbers but gives
+    exactly the mask of the unsharded run (SP on == SP off, with dropout) and replays under
+    activation checkpointing like any torch dropout.
+    """
+    n = tp_size(group)
+    if not training or p == 0.0 or n == 1:
+        return F.dropout(x, p, training)
+    full = torch.empty((x.size(0) * n, *x.shape[1:]), dtype=x.dtype, device=x.device).bernoulli_(1.0 - p)
+    keep = full.chunk(n, dim=0)[tp_rank(group)]
+    return x * keep / (1.0 - p)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features) over TP: each rank computes its output slice.
 
@@ -94,11 +116,14 @@ class ColumnParallelLinear(nn.Module):
         splits = list(splits or [output_size])
         if sum(splits) != output_size:
             raise ValueError(f"splits {splits} must add up to output_size {output_size}")
+        if gather_output and len(splits) > 1:
+            raise ValueError("gather_output is for a single (unfused) weight: gathered chunks would interleave")
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
-        self.weight = _param(slice_chunks(init((output_size, input_size)), splits, 0, group), params_dtype,
-                             tensor_model_parallel=True, partition_dim=0)
+        self.weight = _param(_slice(init((output_size, input_size)), splits, 0, group), params_dtype,
+                             tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
         self.bias = (_param(torch.zeros(output_size // tp_size(group)), params_dtype,
-                            tensor_model_parallel=True, partition_dim=0) if bias else None)
+                            tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = all_gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -118,8 +143,8 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _param(slice_chunks(init((output_size, input_size)), [input_size], 1, group), params_dtype,
-                             tensor_model_parallel=True, partition_dim=1)
+        self.weight = _param(_slice(init((output_size, input_size)), [input_size], 1, group), params_dtype,
+                             tensor_model_parallel=True, partition_dim=1, partition_splits=[input_size])
         self.bias = (_param(torch.zeros(output_size), params_dtype, sequence_parallel=sequence_parallel)
                      if bias else None)
 
@@ -148,8 +173,9 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"vocabulary size {num_embeddings} is not divisible by {n} tensor-parallel ranks")
         self.vocab_start = r * num_embeddings // n
         self.vocab_end = (r + 1) * num_embeddings // n
-        self.weight = _param(slice_chunks(init((num_embeddings, embedding_dim)), [num_embeddings], 0, group),
-                             params_dtype, tensor_model_parallel=True, partition_dim=0)
+        self.weight = _param(_slice(init((num_embeddings, embedding_dim)), [num_embeddings], 0, group),
+                             params_dtype, tensor_model_parallel=True, partition_dim=0,
+                             partition_splits=[num_embeddings])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:

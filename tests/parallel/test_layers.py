@@ -1,0 +1,229 @@
+"""Tensor-parallel layers at TP=2 (two real gloo processes) against the full torch computation.
+
+Tolerance: fp32, max |a - b| <= 1e-5 * max|b| + 1e-6 (only the summation order differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.parallel import mappings, state
+from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                         seeded_normal, slice_chunks)
+from megatron_ds.parallel.testing import run_on_ranks
+
+TP = 2
+S, B, H_IN, H_OUT, VOCAB = 6, 2, 8, 12, 16
+SPLITS = [4, 8]  # a fused weight of two chunks (as [q; kv] or [gate; up]), each split on its own
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    tol = 1e-5 * expected.abs().max().item() + 1e-6
+    err = (actual - expected).abs().max().item()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "x": torch.randn(S, B, H_IN, generator=g),
+        "x_wide": torch.randn(S, B, H_OUT, generator=g),
+        "dy_out": torch.randn(S, B, H_OUT, generator=g),
+        "dy_in": torch.randn(S, B, H_IN, generator=g),
+        "tokens": torch.randint(0, VOCAB, (S, B), generator=g),
+        "dy_emb": torch.randn(S, B, H_IN, generator=g),
+        "logits": 3 * torch.randn(S, B, VOCAB, generator=g),
+        "labels": torch.randint(0, VOCAB, (S, B), generator=g),
+        "dloss": torch.rand(S, B, generator=g),
+    }
+
+
+def col_init():
+    return seeded_normal(0.5, "test", "column")
+
+
+def row_init():
+    return seeded_normal(0.5, "test", "row")
+
+
+def emb_init():
+    return seeded_normal(1.0, "test", "embedding")
+
+
+def shard(t: torch.Tensor, dim: int, rank: int, splits=None) -> torch.Tensor:
+    return slice_chunks(t, splits or [t.size(dim)], dim, TP, rank)
+
+
+def grads_of(module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+def tp2_worker() -> dict:
+    """Everything at TP=2; returns this rank's outputs and gradients."""
+    st = state.get_state()
+    group, r = st.tp_group, st.tp_rank
+    d = inputs()
+    out = {}
+    for sp in (False, True):
+        # Column-parallel, input replicated (or sequence shards under SP), output our columns.
+        col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, splits=SPLITS, sequence_parallel=sp)
+        x = (shard(d["x"], 0, r) if sp else d["x"]).clone().requires_grad_()
+        y = col(x)
+        (y * shard(d["dy_out"], -1, r, SPLITS)).sum().backward()
+        out[f"col_sp{sp}"] = (y.detach(), x.grad, grads_of(col))
+        # Row-parallel, input our columns, output summed (or reduce-scattered under SP).
+        row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=sp)
+        x = shard(d["x_wide"], -1, r).clone().requires_grad_()
+        y = row(x)
+        (y * (shard(d["dy_in"], 0, r) if sp else d["dy_in"])).sum().backward()
+        out[f"row_sp{sp}"] = (y.detach(), x.grad, grads_of(row))
+    col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, gather_output=True)
+    x = d["x"].clone().requires_grad_()
+    y = col(x)
+    (y * d["dy_out"]).sum().backward()
+    out["col_gather"] = (y.detach(), x.grad, grads_of(col))
+
+    emb = VocabParallelEmbedding(VOCAB, H_IN, init=emb_init(), group=group)
+    y = emb.full(d["tokens"])
+    (y * d["dy_emb"]).sum().backward()
+    out["embedding"] = (y.detach(), None, grads_of(emb))
+
+    logits = shard(d["logits"], -1, r).clone().requires_grad_()
+    before = logits.detach().clone()
+    loss = vocab_parallel_cross_entropy(logits, d["labels"], group)
+    (loss * d["dloss"]).sum().backward()
+    out["cross_entropy"] = (loss.detach(), logits.grad, {"unchanged": torch.equal(before, logits.detach())})
+    out["mappings"] = mapping_checks(group, r)
+    return out
+
+
+def mapping_checks(group, r: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Forward value and input gradient of each helper for input (r + 1) * base and gradient ones."""
+    base = torch.arange(1.0, 1.0 + 4 * 2).reshape(4, 2)
+    result = {}
+    for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatter_to_sequence",
+                 "gather_from_sequence", "all_gather_sequence", "reduce_scatter_sequence"):
+        x = ((r + 1) * base).requires_grad_()
+        y = getattr(mappings, name)(x, group)
+        # d/dx of sum((rank + 1) * y): the gradient arriving differs per rank, so reductions show.
+        ((r + 1) * y).sum().backward()
+        result[name] = (y.detach(), x.grad)
+    return result
+
+
+@pytest.fixture(scope="module")
+def tp2() -> list[dict]:
+    return run_on_ranks(tp2_worker, TP, tp=TP)
+
+
+def reference_linear(init, shape, x, dy):
+    w = init(shape).requires_grad_()
+    b = torch.zeros(shape[0], requires_grad=True)
+    x = x.clone().requires_grad_()
+    y = F.linear(x, w, b)
+    (y * dy).sum().backward()
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_column_parallel_matches_full_linear(tp2, sp):
+    d = inputs()
+    y, dx, dw, db = reference_linear(col_init(), (H_OUT, H_IN), d["x"], d["dy_out"])
+    for r, res in enumerate(tp2):
+        y_r, dx_r, g = res[f"col_sp{sp}"]
+        close(y_r, shard(y, -1, r, SPLITS), f"rank {r} output")
+        close(dx_r, shard(dx, 0, r) if sp else dx, f"rank {r} input grad")
+        close(g["weight"], shard(dw, 0, r, SPLITS), f"rank {r} weight grad")
+        close(g["bias"], shard(db, 0, r, SPLITS), f"rank {r} bias grad")
+
+
+def test_column_parallel_gather_output(tp2):
+    d = inputs()
+    y, dx, dw, _ = reference_linear(col_init(), (H_OUT, H_IN), d["x"], d["dy_out"])
+    for r, res in enumerate(tp2):
+        y_r, dx_r, g = res["col_gather"]
+        close(y_r, y, f"rank {r} output")
+        close(dx_r, dx, f"rank {r} input grad")
+        close(g["weight"], shard(dw, 0, r), f"rank {r} weight grad")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_row_parallel_matches_full_linear(tp2, sp):
+    d = inputs()
+    y, dx, dw, db = reference_linear(row_init(), (H_IN, H_OUT), d["x_wide"], d["dy_in"])
+    for r, res in enumerate(tp2):
+        y_r, dx_r, g = res[f"row_sp{sp}"]
+        close(y_r, shard(y, 0, r) if sp else y, f"rank {r} output")
+        close(dx_r, shard(dx, -1, r), f"rank {r} input grad")
+        close(g["weight"], shard(dw, 1, r), f"rank {r} weight grad")
+        # Under SP each rank holds a partial bias gradient until it is summed over TP in backward.
+        close(g["bias"], db, f"rank {r} bias grad")
+
+
+def test_vocab_parallel_embedding_matches_full(tp2):
+    d = inputs()
+    w = emb_init()((VOCAB, H_IN)).requires_grad_()
+    y = F.embedding(d["tokens"], w)
+    (y * d["dy_emb"]).sum().backward()
+    for r, res in enumerate(tp2):
+        y_r, _, g = res["embedding"]
+        close(y_r, y.detach(), f"rank {r} embeddings")
+        close(g["weight"], shard(w.grad, 0, r), f"rank {r} weight grad")
+
+
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp2):
+    d = inputs()
+    logits = d["logits"].clone().requires_grad_()
+    loss = F.cross_entropy(logits.view(-1, VOCAB), d["labels"].view(-1), reduction="none").view(S, B)
+    (loss * d["dloss"]).sum().backward()
+    for r, res in enumerate(tp2):
+        loss_r, grad_r, info = res["cross_entropy"]
+        assert loss_r.dtype == torch.float32
+        close(loss_r, loss.detach(), f"rank {r} loss")
+        close(grad_r, shard(logits.grad, -1, r), f"rank {r} logits grad")
+        assert info["unchanged"], "the caller's logits were modified in place"
+
+
+def test_cross_entropy_single_process_bf16_input():
+    d = inputs()
+    logits = d["logits"].bfloat16().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, d["labels"])
+    loss.sum().backward()
+    expected = F.cross_entropy(logits.detach().float().view(-1, VOCAB), d["labels"].view(-1), reduction="none")
+    assert loss.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
+    close(loss, expected.view(S, B), "bf16-input loss")
+
+
+def test_mappings_are_conjugate_pairs(tp2):
+    base = torch.arange(1.0, 1.0 + 4 * 2).reshape(4, 2)
+    x = [(r + 1) * base for r in range(TP)]  # rank r's input
+    w = [float(r + 1) for r in range(TP)]  # rank r's upstream gradient scale
+    total = sum(x)
+    cat_last, cat_first = torch.cat(x, dim=-1), torch.cat(x, dim=0)
+    ones = torch.ones_like(base)
+    for r, res in enumerate(tp2):
+        m = res["mappings"]
+        expect = {  # name: (forward value, input gradient) on rank r
+            "copy_to_tp": (x[r], sum(w) * ones),
+            "reduce_from_tp": (total, w[r] * ones),
+            "scatter_to_tp": (x[r].chunk(TP, -1)[r], torch.cat([wi * ones.chunk(TP, -1)[r] for wi in w], -1)),
+            "gather_from_tp": (cat_last, w[r] * ones),
+            "scatter_to_sequence": (x[r].chunk(TP, 0)[r], torch.cat([wi * ones.chunk(TP, 0)[r] for wi in w], 0)),
+            "gather_from_sequence": (cat_first, w[r] * ones),
+            "all_gather_sequence": (cat_first, sum(w) * ones),
+            "reduce_scatter_sequence": (total.chunk(TP, 0)[r], torch.cat([wi * ones.chunk(TP, 0)[r] for wi in w], 0)),
+        }
+        for name, (value, grad) in expect.items():
+            close(m[name][0], value, f"rank {r} {name} forward")
+            close(m[name][1], grad, f"rank {r} {name} backward")
+
+
+def test_helpers_are_identity_without_a_group():
+    x = torch.randn(4, 2, requires_grad=True)
+    for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatter_to_sequence",
+                 "gather_from_sequence", "all_gather_sequence", "reduce_scatter_sequence"):
+        assert getattr(mappings, name)(x, None) is x, name
