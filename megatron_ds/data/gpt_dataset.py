@@ -1,0 +1,307 @@
+"""GPT pretraining samples over Megatron indexed datasets: splits, epochs, shuffling, blending.
+
+A sample is ``seq_length + 1`` consecutive tokens of the shuffled document stream (inputs and
+shifted labels), running across document boundaries. Three index arrays describe a split:
+
+- doc_idx: the split's documents, one fresh permutation per epoch, for as many epochs as the
+  requested number of samples needs;
+- sample_idx[i] = (position in doc_idx, token offset) of the first token of sample i; sample i
+  ends on the first token of sample i + 1 (so there are num_samples + 1 rows);
+- shuffle_idx: the order in which samples are served.
+
+Megatron builds sample_idx with a compiled loop; here it is ``np.cumsum`` + ``np.searchsorted``,
+a billion-token corpus takes about a second. The arrays are saved under a name hashed from every
+input that affects them and memory-mapped on reuse. One process builds while the others wait
+(rank 0 then a barrier under torch.distributed, a file lock otherwise).
+
+Weighted lists (``0.3 a 0.7 b``) blend per split: step by step, the next sample comes from the
+dataset whose share is most behind its weight (sample k of dataset d is due at step (k + 1/2)/w_d;
+one stable argsort of those due times orders them all).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from megatron_ds.data.indexed import IndexedDataset, index_path
+
+SPLIT_NAMES = ("train", "valid", "test")
+INDEX_FORMAT = 1  # bump when the arrays' meaning changes, so old caches are not reused
+
+
+class DataConfigError(ValueError):
+    """A bad --data-path / --split / sample request; the message names the flag."""
+
+
+def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
+    """Megatron's list form: ``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> [(weight, prefix)]."""
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    if not data_path or len(data_path) % 2:
+        raise DataConfigError(f"--data-path: expected one prefix or weight/prefix pairs, got {data_path}")
+    pairs = []
+    for weight, prefix in zip(data_path[::2], data_path[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            raise DataConfigError(f"--data-path: {weight!r} is not a weight (expected 'w1 prefix1 w2 prefix2 ...')")
+        if not math.isfinite(w) or w < 0:
+            raise DataConfigError(f"--data-path: weight {weight} of {prefix} must be >= 0")
+        pairs.append((w, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise DataConfigError(f"--data-path: weights sum to {total}, need a positive sum")
+    return [(w / total, p) for w, p in pairs]
+
+
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` (or ``969/30/1``) -> normalized train/valid/test fractions."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise DataConfigError(f"--split: {split!r} must be up to three numbers such as 969,30,1")
+    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
+        raise DataConfigError(f"--split: {split!r} must be up to three non-negative numbers with a positive sum")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def split_bounds(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Document ranges [start, end) of train, valid and test (boundaries rounded, the last one exact)."""
+    cum = np.cumsum([0.0] + parse_split(split))
+    edges = [int(round(c * num_documents)) for c in cum]
+    edges[-1] = num_documents
+    return [(edges[i], edges[i + 1]) for i in range(3)]
+
+
+def build_sample_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
+                         seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc_idx, sample_idx, shuffle_idx) for ``num_samples`` samples over ``documents``; vectorised."""
+    doc_sizes = sizes[documents].astype(np.int64)
+    tokens_per_epoch = int(doc_sizes.sum())
+    if tokens_per_epoch <= 0:
+        raise DataConfigError("--data-path: the split's documents hold no tokens")
+    needed = num_samples * seq_length + 1  # the last sample's label token included
+    num_epochs = -(-needed // tokens_per_epoch)
+    rng = np.random.RandomState(seed % 2**32)
+    doc_idx = np.concatenate([documents[rng.permutation(len(documents))] for _ in range(num_epochs)])
+    index_dtype = np.int32 if len(doc_idx) < 2**31 else np.int64
+    doc_idx = doc_idx.astype(index_dtype)
+    starts = np.zeros(len(doc_idx) + 1, np.int64)  # token position where each doc_idx entry starts
+    np.cumsum(sizes[doc_idx], dtype=np.int64, out=starts[1:])
+    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    entry = np.searchsorted(starts, positions, side="right") - 1  # skips empty documents
+    sample_idx = np.stack([entry, positions - starts[entry]], axis=1)
+    shuffle_idx = rng.permutation(num_samples).astype(np.int64)
+    return doc_idx, sample_idx, shuffle_idx
+
+
+def _distributed():
+    """torch.distributed when it is initialized with more than one rank, else None."""
+    dist = sys.modules.get("torch.distributed")  # not imported: cannot be initialized (and torch is slow to import)
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+class _IndexCache:
+    """Arrays saved as ``<dir>/<stem>_<hash>_<name>.npy``, built once under a lock, then memory-mapped."""
+
+    def __init__(self, cache_dir: str, stem: str, description: dict, names: tuple[str, ...]):
+        digest = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:24]
+        self.cache_dir, self.description, self.digest = cache_dir, description, digest
+        self.base = os.path.join(cache_dir, f"{stem}_{digest}")
+        self.paths = {n: f"{self.base}_{n}.npy" for n in names}
+        self.built = False
+
+    def _complete(self) -> bool:
+        return all(os.path.isfile(p) for p in self.paths.values())
+
+    def _load_or_build(self, build) -> dict[str, np.ndarray]:
+        if not self._complete():
+            try:
+                os.makedirs(self.cache_dir, exist_ok=True)
+                lock = open(self.base + ".lock", "w")
+            except OSError as e:
+                raise DataConfigError(f"--data-cache-path: cannot write index cache in {self.cache_dir} ({e}); "
+                                      f"point --data-cache-path at a writable directory") from e
+            with lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not self._complete():
+                    for name, array in build().items():
+                        tmp = f"{self.paths[name]}.tmp.{os.getpid()}.npy"
+                        np.save(tmp, array)
+                        os.replace(tmp, self.paths[name])
+                    with open(self.base + ".json", "w") as f:
+                        json.dump(self.description, f, indent=1, sort_keys=True)
+                    self.built = True
+        return {n: np.load(p, mmap_mode="r") for n, p in self.paths.items()}
+
+    def get(self, build) -> dict[str, np.ndarray]:
+        dist = _distributed()
+        if dist is None:
+            return self._load_or_build(build)
+        # Rank 0 builds while the others wait; afterwards the others load (or build if the
+        # cache directory is not shared between nodes). Every rank reaches the barrier.
+        arrays = self._load_or_build(build) if dist.get_rank() == 0 else None
+        dist.barrier()
+        return arrays if arrays is not None else self._load_or_build(build)
+
+
+def _default_cache_dir(prefix: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
+
+
+class GPTDataset:
+    """Samples of ``seq_length + 1`` tokens over documents [start, end) of one indexed dataset."""
+
+    def __init__(self, indexed: IndexedDataset, name: str, documents: tuple[int, int], split: str,
+                 seq_length: int, seed: int, num_samples: int, cache_dir: str | None = None):
+        self.indexed, self.name, self.seq_length, self.num_samples = indexed, name, seq_length, num_samples
+        start, end = documents
+        stat = os.stat(index_path(indexed.prefix))
+        description = {
+            "class": "GPTDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
+            "idx_bytes": stat.st_size, "idx_mtime_ns": stat.st_mtime_ns, "split": split, "split_name": name,
+            "documents": [start, end], "seq_length": seq_length, "seed": seed, "num_samples": num_samples,
+        }
+        stem = f"{os.path.basename(indexed.prefix)}_{name}"
+        self.cache = _IndexCache(cache_dir or _default_cache_dir(indexed.prefix), stem, description,
+                                 ("doc_idx", "sample_idx", "shuffle_idx"))
+
+        def build():
+            indexed.validate()
+            doc_idx, sample_idx, shuffle_idx = build_sample_indices(
+                indexed.sizes, np.arange(start, end, dtype=np.int64), seq_length, num_samples, seed)
+            return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+
+        arrays = self.cache.get(build)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+
+    @property
+    def built(self) -> bool:
+        """Whether this process built the index files (False: loaded from the cache)."""
+        return self.cache.built
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range ({self.num_samples} {self.name} samples)")
+        j = int(self.shuffle_idx[i])
+        (first, offset), (last, last_offset) = self.sample_idx[j], self.sample_idx[j + 1]
+        first, offset, last, last_offset = int(first), int(offset), int(last), int(last_offset)
+        if first == last:
+            tokens = self.indexed.get(int(self.doc_idx[first]), offset, last_offset - offset + 1)
+        else:
+            parts = [self.indexed.get(int(self.doc_idx[first]), offset)]
+            parts += [self.indexed.get(int(d)) for d in self.doc_idx[first + 1:last]]
+            parts.append(self.indexed.get(int(self.doc_idx[last]), 0, last_offset + 1))
+            tokens = np.concatenate(parts)
+        return tokens.astype(np.int64)
+
+
+def blend_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index, dataset_sample_index) of ``size`` steps interleaving datasets by weight."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    due, owner, first = [], [], [0]
+    for d, wd in enumerate(w):
+        count = int(math.ceil(wd * size)) + 1 if wd > 0 else 0
+        due.append((np.arange(count) + 0.5) / wd if count else np.zeros(0))
+        owner.append(np.full(count, d, np.int64))
+        first.append(first[-1] + count)
+    due_all, owner_all = np.concatenate(due), np.concatenate(owner)
+    order = np.argsort(due_all, kind="stable")[:size]  # ties go to the earlier dataset
+    dataset_index = owner_all[order].astype(np.int16)
+    dataset_sample_index = order - np.asarray(first[:-1], np.int64)[dataset_index]
+    return dataset_index, dataset_sample_index.astype(np.int64)
+
+
+class BlendedDataset:
+    """Samples drawn from several GPTDatasets by weight (deterministic, no randomness involved)."""
+
+    def __init__(self, datasets: list[GPTDataset | None], weights: list[float], size: int, cache_dir: str,
+                 description: dict, dataset_index: np.ndarray | None = None):
+        self.datasets, self.weights, self.size = datasets, weights, size
+        self.cache = _IndexCache(cache_dir, f"blend_{description['split_name']}", description,
+                                 ("dataset_index", "dataset_sample_index"))
+
+        def build():
+            index, sample = blend_indices(weights, size)
+            return {"dataset_index": index, "dataset_sample_index": sample}
+
+        arrays = self.cache.get(build)
+        self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
+
+    @property
+    def built(self) -> bool:
+        return self.cache.built
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} out of range ({self.size} blended samples)")
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+
+def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
+                       num_samples: tuple[int, int, int], cache_dir: str | None = None):
+    """(train, valid, test) datasets; None where a split has no documents or no samples are asked."""
+    if seq_length < 1:
+        raise DataConfigError(f"--seq-length: must be at least 1, got {seq_length}")
+    pairs = parse_data_path(data_path)
+    parse_split(split)
+    opened: dict[str, IndexedDataset] = {}
+    for _, prefix in pairs:
+        if prefix not in opened:
+            try:
+                opened[prefix] = IndexedDataset(prefix)
+            except FileNotFoundError as e:
+                raise DataConfigError(f"--data-path: {e}") from e
+    result = []
+    for s, name in enumerate(SPLIT_NAMES):
+        wanted = int(num_samples[s])
+        if wanted <= 0:
+            result.append(None)
+            continue
+        if len(pairs) == 1:
+            ds = opened[pairs[0][1]]
+            start, end = split_bounds(split, len(ds))[s]  # a "document" here is one stored sequence
+            result.append(GPTDataset(ds, name, (start, end), split, seq_length, seed, wanted, cache_dir)
+                          if end > start else None)
+            continue
+        bounds = [split_bounds(split, len(opened[prefix]))[s] for _, prefix in pairs]
+        if all(end <= start for start, end in bounds):
+            result.append(None)  # the split is empty everywhere, as for a single dataset
+            continue
+        weights = [w for w, _ in pairs]
+        index, _ = blend_indices(weights, wanted)
+        counts = np.bincount(index, minlength=len(pairs))
+        parts, descriptions = [], []
+        for (w, prefix), count, (start, end) in zip(pairs, counts, bounds):
+            ds = opened[prefix]
+            if count and end <= start:
+                raise DataConfigError(f"--split: {split} leaves {prefix} no {name} documents, but --data-path gives "
+                                      f"it weight {w:.3g}")
+            part = GPTDataset(ds, name, (start, end), split, seq_length, seed, int(count), cache_dir) if count else None
+            parts.append(part)
+            descriptions.append(part.cache.digest if part else None)
+        description = {"class": "BlendedDataset", "format": INDEX_FORMAT, "split_name": name, "weights": weights,
+                       "size": wanted, "parts": descriptions}
+        blend_dir = cache_dir or _default_cache_dir(pairs[0][1])
+        result.append(BlendedDataset(parts, weights, wanted, blend_dir, description))
+    return tuple(result)
