@@ -12,6 +12,7 @@ import sys
 
 # name -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megatron_ds.training.cli", "pretrain a GPT (Megatron-DeepSpeed pretrain_gpt.py flags; TP/SP/PP/DP, ZeRO)"),
     "doctor": ("megatron_ds.runtime.doctor", "check the software stack (torch, CUDA/ROCm, NCCL, DeepSpeed, TE, flash-attn, ...) and the site profile"),
     "env": ("megatron_ds.runtime.env_cli", "show rank, world, master, device, CPU set and every variable launch would set, and why"),
     "sbatch": ("megatron_ds.runtime.sbatch", "write a Slurm (pyxis, apptainer, host) or PBS job script that runs an entrypoint command"),
