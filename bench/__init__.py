@@ -1,0 +1,1 @@
+"""mds performance harness and recorded results (see bench/RESULTS.md)."""

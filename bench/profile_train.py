@@ -1,0 +1,132 @@
+"""Where a training step's time goes: the real model and DeepSpeed engine, random tokens, torch.profiler.
+
+    python bench/profile_train.py --steps 12 --variant cudnn --out /tmp/prof.txt -- \\
+        --preset GPT1_3B --micro-batch-size 8 --bf16 --zero-stage 1
+
+Builds exactly what `entrypoint train` builds for those flags (parse_args/validate, init_parallel,
+build_engine) in one process, times --steps steps with CUDA sync (median after 3 warm-up steps), then
+profiles two steps and writes the top kernels/ops table. A --variant changes one thing, to measure a fix
+before anyone writes it: "cudnn" (SDPA prefers the cuDNN attention kernel), "compile" (torch.compile of
+each transformer layer), "nodrop" (dropout off), or combinations joined by "+".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, flags = argv[:split], argv[split + 1:]
+    p = argparse.ArgumentParser(prog="profile_train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--variant", default="base")
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--out", type=Path, help="profiler table (text); a JSON summary goes next to it")
+    args = p.parse_args(own)
+    variants = set(args.variant.split("+"))
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_ds.data.tokenizers import build_tokenizer
+    from megatron_ds.parallel.state import init_parallel
+    from megatron_ds.precision import from_args as precision_from_args
+    from megatron_ds.training.arguments import pad_vocab_size, parse_args, validate
+    from megatron_ds.training.engine import build_engine
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29561")):
+        os.environ.setdefault(key, value)
+    data_dir = Path("/tmp/mds_profile_data")
+    from bench.bench_train import GPT2_VOCAB, synthetic_dataset
+
+    prefix = synthetic_dataset(data_dir / "syn", 1_000_000)
+    train_args = parse_args(flags + ["--train-iters", "100", "--lr", "1e-4", "--data-path", str(prefix),
+                                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
+    if "nodrop" in variants:
+        train_args.hidden_dropout = train_args.attention_dropout = 0.0
+    validate(train_args, 1)
+    torch.cuda.set_device(0)
+    state = init_parallel(train_args.tensor_model_parallel_size, train_args.pipeline_model_parallel_size, "nccl")
+    tok = build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB)
+    vocab = pad_vocab_size(tok.vocab_size, train_args.make_vocab_size_divisible_by, 1)
+    precision = precision_from_args(train_args)
+    if "compile" in variants:
+        from megatron_ds.model import gpt
+
+        original_init = gpt.TransformerLayer.__init__
+
+        def compiled_init(self, *a, **kw):
+            original_init(self, *a, **kw)
+            self._forward = torch.compile(self._forward)
+
+        gpt.TransformerLayer.__init__ = compiled_init
+    built = build_engine(train_args, precision, state, vocab)
+    engine = built.engine
+    b, s = train_args.micro_batch_size, train_args.seq_length
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, GPT2_VOCAB, (b, s + 1), generator=g).cuda() for _ in range(4)]
+
+    def attention_context():
+        if "cudnn" in variants:
+            return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+        return contextlib.nullcontext()
+
+    def step(i: int) -> None:
+        batch = batches[i % len(batches)]
+        with attention_context():
+            loss = engine(batch[:, :-1], batch[:, 1:]).mean()
+            engine.backward(loss)
+        engine.step()
+
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(i)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times[3:])
+    tokens = b * s
+    fpt = built.config.flops_per_token()
+    summary = {"variant": args.variant, "flags": flags, "step_time_s": med, "tokens_per_s": tokens / med,
+               "tflops_per_gpu": tokens * fpt / med / 1e12, "mfu": tokens * fpt / med / 989e12,
+               "mem_gib": torch.cuda.max_memory_allocated() / 2**30, "flops_per_token": fpt,
+               "attention_backend": built.attention_backend, "times": times}
+    print("[profile] " + json.dumps({k: v for k, v in summary.items() if k != "times"}), flush=True)
+    if not args.no_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(2):
+                step(i)
+            torch.cuda.synchronize()
+        try:
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+        except (AttributeError, KeyError, ValueError):
+            table = prof.key_averages().table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)
+        if args.out:
+            args.out.write_text(f"{json.dumps(summary)}\n\n{table}\n")
+        print(table[:6000], flush=True)
+    if args.out:
+        args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
