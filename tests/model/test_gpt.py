@@ -1,0 +1,232 @@
+"""Single-process GPT checks: attention backends, checkpointing, pipeline pieces, init, FLOPs, dtypes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_ds.model.attention import CoreAttention, resolve_backend
+from megatron_ds.model.config import GPTConfig, ModelConfigError
+from megatron_ds.model.gpt import EmbeddingStage, GPTModel, TransformerLayer, gpt_stage_specs, lm_loss
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
+            hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa", seed=3)
+LLAMA = dict(BASE, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_key_value_heads=2,
+             ffn_hidden_size=48, untie_embeddings_and_output_weights=True, add_bias_linear=False)
+STYLES = {"gpt2": BASE, "llama": LLAMA}
+
+
+def batch(config: GPTConfig, b: int = 2):
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, config.vocab_size, (b, config.seq_length + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_and_grads(model: torch.nn.Module, config: GPTConfig, seed: int = 0):
+    tokens, labels = batch(config)
+    torch.manual_seed(seed)
+    loss = model(tokens, labels)
+    loss.mean().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = 1e-5) -> None:
+    assert actual.shape == expected.shape, what
+    tol = rel * expected.abs().max().item() + 1e-7
+    err = (actual - expected).abs().max().item()
+    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+
+
+def assert_same_run(a, b, what: str, rel: float = 1e-5) -> None:
+    close(a[0], b[0], f"{what}: loss", rel)
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        close(a[1][name], b[1][name], f"{what}: grad of {name}", rel)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_loss_starts_near_uniform_and_grads_flow(style):
+    config = GPTConfig(**STYLES[style])
+    model = GPTModel(config)
+    loss, grads = loss_and_grads(model, config)
+    assert loss.shape == (2, config.seq_length) and loss.dtype == torch.float32
+    assert abs(loss.mean().item() - math.log(config.vocab_size)) < 0.2  # small init: near-uniform logits
+    assert all(g.abs().sum() > 0 for g in grads.values()), [n for n, g in grads.items() if g.abs().sum() == 0]
+    tokens, _ = batch(config)
+    assert model(tokens).shape == (2, config.seq_length, config.vocab_size)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_sdpa_equals_reference_attention(style):
+    runs = {}
+    for backend in ("sdpa", "reference"):
+        config = GPTConfig(**dict(STYLES[style], attention_backend=backend))
+        model = GPTModel(config)
+        assert model.attention_backend == backend
+        runs[backend] = loss_and_grads(model, config)
+    assert_same_run(runs["sdpa"], runs["reference"], f"{style} sdpa vs reference")
+
+
+def test_gqa_attention_matches_explicit_head_mapping():
+    """Query head i attends with kv head i // (nq / nkv), for every backend."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 5, 4, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)
+    for backend in ("sdpa", "reference"):
+        out = CoreAttention(backend)(q, k, v)
+        for head in range(4):
+            one = CoreAttention("reference")(q[:, :, head:head + 1], k[:, :, head // 2:head // 2 + 1],
+                                             v[:, :, head // 2:head // 2 + 1])
+            close(out[:, :, head:head + 1], one, f"{backend} head {head}")
+    # causal: the first position sees only itself
+    close(CoreAttention("sdpa")(q, k, v)[:, 0], v[:, 0].repeat_interleave(2, dim=1), "position 0 = its own value")
+
+
+def test_backend_resolution_on_this_machine():
+    assert resolve_backend("auto", torch.float32, cuda=True) == "sdpa"  # flash-attn needs half precision
+    assert resolve_backend("auto", torch.bfloat16, cuda=False) == "sdpa"
+    assert resolve_backend("reference") == "reference"
+    with pytest.raises(ValueError, match="flash2 cannot run: .*no CUDA device"):
+        resolve_backend("flash2", torch.bfloat16, cuda=False)
+    with pytest.raises(ValueError, match="flash-attn needs bf16 or fp16"):
+        resolve_backend("flash2", torch.float32, cuda=True)
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_backend("flash1")
+    if not torch.cuda.is_available():
+        assert GPTModel(GPTConfig(**dict(BASE, attention_backend="auto"))).attention_backend == "sdpa"
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_activation_checkpointing_gives_the_same_gradients(style):
+    # with dropout: the non-reentrant checkpoint replays the RNG, so masks agree in the recompute
+    kw = dict(STYLES[style], hidden_dropout=0.3, attention_dropout=0.3, attention_backend="reference")
+    plain = GPTConfig(**kw)
+    ckpt = GPTConfig(**dict(kw, checkpoint_activations=True))
+    assert_same_run(loss_and_grads(GPTModel(ckpt).train(), ckpt, seed=4),
+                    loss_and_grads(GPTModel(plain).train(), plain, seed=4), f"{style} checkpointed")
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_pipeline_pieces_compose_to_gpt_model(style):
+    config = GPTConfig(**STYLES[style])
+    specs = gpt_stage_specs(config)
+    assert [s.kind for s in specs] == ["embedding", "layer", "layer", "final_norm", "head"]
+    tied = config.tied_embeddings
+    assert (specs[0].tied_key, specs[-1].tied_key) == (("embed", "embed") if tied else (None, None))
+    modules = [spec.build() for spec in specs]
+    tokens, labels = batch(config)
+    hidden = tokens
+    for spec, module in zip(specs, modules):
+        hidden = spec(module, hidden)
+        if spec.kind in ("embedding", "layer", "final_norm"):
+            assert hidden.shape == (config.seq_length, 2, config.hidden_size)  # one [s, b, h] tensor between stages
+    loss = lm_loss(hidden, labels)
+    loss.mean().backward()
+    reference = loss_and_grads(GPTModel(config), config)
+    close(loss.detach(), reference[0], f"{style} pipeline loss")
+    # the same parameters, by construction, with the same gradients (tied weight: sum of both uses)
+    prefixes = ["embedding."] + [f"layers.{n}." for n in range(config.num_layers)] + ["final_norm."]
+    prefixes.append("embedding." if tied else "output_head.")
+    grads: dict[str, torch.Tensor] = {}
+    for prefix, module in zip(prefixes, modules):
+        for name, p in module.named_parameters():
+            grads[prefix + name] = grads[prefix + name] + p.grad if prefix + name in grads else p.grad
+    assert grads.keys() == reference[1].keys()
+    for name, grad in grads.items():
+        close(grad, reference[1][name], f"{style} pipeline grad of {name}")
+    if tied:
+        assert dict(modules[-1].named_parameters()).keys() == {"word_embeddings.weight"}  # no positions on the head
+
+
+def test_a_stage_builds_only_its_layers_with_the_full_models_weights():
+    config = GPTConfig(**dict(LLAMA, num_layers=4))
+    full = GPTModel(config)
+    second_stage = [TransformerLayer(config, n) for n in (3, 4)]  # what PP=2's last stage builds
+    for module, reference in zip(second_stage, full.layers[2:]):
+        for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+            assert torch.equal(p, q), name
+    head = EmbeddingStage(config, positions=False)
+    assert torch.equal(head.weight, full.embedding.weight)
+    assert not torch.equal(full.layers[0].mlp.fc1.weight, full.layers[1].mlp.fc1.weight)
+
+
+def test_init_std_scaled_for_residual_projections():
+    config = GPTConfig(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=128, seq_length=8,
+                       init_method_std=0.02)
+    layer = TransformerLayer(config, 1)
+    scaled = 0.02 / math.sqrt(2 * 8)
+    for name, std in (("attention.qkv.weight", 0.02), ("mlp.fc1.weight", 0.02),
+                      ("attention.proj.weight", scaled), ("mlp.fc2.weight", scaled)):
+        p = layer.get_parameter(name)
+        assert abs(p.std().item() / std - 1) < 0.03, f"{name}: std {p.std().item():.5f}, want {std:.5f}"
+    assert torch.count_nonzero(layer.attention.qkv.bias) == 0
+
+
+def test_bf16_params_loss_in_fp32():
+    config32 = GPTConfig(**LLAMA)
+    config16 = GPTConfig(**dict(LLAMA, params_dtype=torch.bfloat16))
+    model = GPTModel(config16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    tokens, labels = batch(config16)
+    loss = model(tokens, labels)
+    assert loss.dtype == torch.float32
+    loss.mean().backward()
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    reference = GPTModel(config32)(tokens, labels)
+    close(loss.detach(), reference.detach(), "bf16 loss vs fp32 loss", rel=2e-2)
+
+
+def test_flops_per_token_by_hand():
+    # h=64, 4 heads of 16, 2 kv heads, ffn 96 (swiglu), s=16, V=128, 2 layers, by hand:
+    #   qkv   2 * 64 * (64 + 2 * 32)   = 16384
+    #   attn  2 * 16 * 64 * 2          =  4096   (scores and values, full sequence)
+    #   proj  2 * 64 * 64              =  8192
+    #   mlp   2 * 64 * 96 * 3          = 36864
+    #   per layer 65536; x2 layers 131072; logits 2 * 64 * 128 = 16384; forward 147456; x3 = 442368
+    config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       ffn_hidden_size=96, swiglu=True, seq_length=16, vocab_size=128)
+    assert config.flops_per_token() == 442368
+    # Megatron's closed form for GPT (MHA, ffn 4h): 72 L h^2 (1 + s / (6 h) + V / (12 L h)) per token
+    L, h, s, V = 24, 1024, 2048, 50304
+    gpt = GPTConfig(num_layers=L, hidden_size=h, num_attention_heads=16, seq_length=s, vocab_size=V)
+    assert gpt.flops_per_token() == pytest.approx(72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)), rel=1e-12)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_num_parameters_counts_the_built_model(style):
+    config = GPTConfig(**STYLES[style])
+    assert config.num_parameters() == sum(p.numel() for p in GPTModel(config).parameters())
+
+
+def test_config_errors_name_the_flag():
+    with pytest.raises(ModelConfigError, match="--num-attention-heads 4 must be divisible by --num-key-value-heads 3"):
+        GPTConfig(**dict(BASE, num_key_value_heads=3))
+    config = GPTConfig(**LLAMA)
+    with pytest.raises(ModelConfigError, match="--num-key-value-heads 2 must be divisible by --tensor-model-parallel-size 4"):
+        config.validate(tp=4)
+    with pytest.raises(ModelConfigError, match="--sequence-parallel needs --seq-length 6 divisible"):
+        GPTConfig(**dict(BASE, seq_length=6, sequence_parallel=True)).validate(tp=4)
+    assert GPTConfig(**dict(BASE, swiglu=True, hidden_size=4096, num_attention_heads=32)).ffn_hidden_size == 10880
+
+
+def test_sequence_longer_than_positions_is_an_error():
+    config = GPTConfig(**BASE)
+    tokens = torch.zeros(1, config.seq_length + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceeds --max-position-embeddings 8"):
+        GPTModel(config)(tokens)
+
+
+@pytest.mark.gpu
+def test_flash2_equals_sdpa_on_gpu():
+    pytest.importorskip("flash_attn")
+    runs = {}
+    for backend in ("flash2", "sdpa"):
+        config = GPTConfig(**dict(LLAMA, attention_backend=backend, params_dtype=torch.bfloat16, seq_length=64))
+        model = GPTModel(config).cuda()
+        assert model.attention_backend == backend
+        tokens, labels = (t.cuda() for t in batch(config))
+        loss = model(tokens, labels)
+        loss.mean().backward()
+        runs[backend] = (loss.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    assert_same_run(runs["flash2"], runs["sdpa"], "flash2 vs sdpa (bf16)", rel=2e-2)
