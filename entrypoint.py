@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("megatron_ds.runtime.doctor", "check the software stack (torch, CUDA/ROCm, NCCL, DeepSpeed, TE, flash-attn, ...) and the site profile"),
     "env": ("megatron_ds.runtime.env_cli", "show rank, world, master, device, CPU set and every variable launch would set, and why"),
     "sbatch": ("megatron_ds.runtime.sbatch", "write a Slurm (pyxis, apptainer, host) or PBS job script that runs an entrypoint command"),
+    "preprocess": ("megatron_ds.data.preprocess", "tokenize JSON lines into Megatron indexed datasets (tools/preprocess_data.py flags)"),
     "launch": ("megatron_ds.runtime.launch_cli", "run any command as the ranks of this job (spawn + supervise, or map + exec)"),
 }
 

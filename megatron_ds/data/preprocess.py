@@ -30,7 +30,7 @@ from megatron_ds.data.indexed import IndexedDatasetWriter, best_dtype
 from megatron_ds.data.tokenizers import TOKENIZER_TYPES, TokenizerError, build_tokenizer
 
 CHUNK_BYTES = 256 * 1024  # text per worker task: large enough to amortise IPC, small enough to balance
-_OPENERS = {".gz": gzip.GzipFile, ".xz": lzma.LZMAFile, ".bz2": bz2.BZ2File}
+_OPENERS = {".gz": lambda raw: gzip.GzipFile(fileobj=raw), ".xz": lzma.LZMAFile, ".bz2": bz2.BZ2File}
 
 
 class PreprocessError(ValueError):
