@@ -52,25 +52,37 @@ def current_layout(engine) -> Layout:
 
 
 @contextlib.contextmanager
-def _fsync_each_write(engine):
-    """Make DeepSpeed's checkpoint engine fsync every file this rank writes (only the writer can)."""
+def _writes_through(engine, *, drop_optimizer: bool):
+    """Route DeepSpeed's writes through us while saving: fsync every file this rank writes (only the
+    writer can make its bytes durable) and, for --no-save-optim, leave the optimizer state out."""
     ckpt_engine = getattr(engine, "checkpoint_engine", None)
     original = getattr(ckpt_engine, "save", None)
+    saves_zero = getattr(engine, "save_zero_checkpoint", None)
+    own_attribute = "save" in getattr(ckpt_engine, "__dict__", {})  # someone already wrapped it
     if original is None:
         yield
         return
 
     def save_and_fsync(state_dict, path, *args, **kwargs):
+        if drop_optimizer and isinstance(state_dict, dict) and state_dict.get("optimizer") is not None:
+            state_dict = {**state_dict, "optimizer": None}
         result = original(state_dict, path, *args, **kwargs)
         if isinstance(path, str) and os.path.isfile(path):
             paths.fsync_file(path)
         return result
 
     ckpt_engine.save = save_and_fsync
+    if drop_optimizer and saves_zero is not None:
+        engine.save_zero_checkpoint = False  # the ZeRO partitions are the optimizer state
     try:
         yield
     finally:
-        del ckpt_engine.save  # back to the class's method
+        if own_attribute:
+            ckpt_engine.save = original
+        else:
+            del ckpt_engine.save  # back to the class's method
+        if saves_zero is not None:
+            engine.save_zero_checkpoint = saves_zero
 
 
 def save(engine, args: Namespace, state) -> str | None:
@@ -98,17 +110,21 @@ def save(engine, args: Namespace, state) -> str | None:
         "consumed_train_samples": int(state.consumed_train_samples),
         "consumed_valid_samples": int(getattr(state, "consumed_valid_samples", 0)),
     }
-    with _fsync_each_write(engine):
+    save_optim = not getattr(args, "no_save_optim", False)
+    save_rng = not getattr(args, "no_save_rng", False)
+    with _writes_through(engine, drop_optimizer=not save_optim):
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
-    rng_path = os.path.join(tmp_dir, rng.rng_file_name(rank))
-    torch.save(rng.capture(), rng_path)
-    paths.fsync_file(rng_path)
+    if save_rng:
+        rng_path = os.path.join(tmp_dir, rng.rng_file_name(rank))
+        torch.save(rng.capture(), rng_path)
+        paths.fsync_file(rng_path)
     _barrier()  # every rank's files are durable under the temporary name
 
     if rank == 0:
         layout = current_layout(engine)
         metadata = meta.build(args, layout, iteration, client_state["consumed_train_samples"],
-                              client_state["consumed_valid_samples"], meta.manifest(tmp_dir))
+                              client_state["consumed_valid_samples"], meta.manifest(tmp_dir),
+                              optimizer_saved=save_optim, rng_saved=save_rng)
         meta.write(tmp_dir, metadata)
         paths.fsync_dir(tmp_dir)
         paths.publish(save_dir, tmp_tag, tag)

@@ -21,7 +21,8 @@ FORMAT = "mds-checkpoint/1"
 MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_query_groups",
     "ffn_hidden_size", "padded_vocab_size", "position_embedding_type", "use_rotary_position_embeddings",
-    "normalization", "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear",
+    "normalization", "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear", "disable_bias_linear",
+    "vocab_size", "make_vocab_size_divisible_by",
 )
 # How the weights are sliced across ranks; a different layout would need resharding.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
@@ -52,7 +53,8 @@ def jsonable(value):
 
 
 def build(args: Namespace, layout: Layout, iteration: int, consumed_train_samples: int,
-          consumed_valid_samples: int, files: dict[str, int]) -> dict:
+          consumed_valid_samples: int, files: dict[str, int], *, optimizer_saved: bool = True,
+          rng_saved: bool = True) -> dict:
     from megatron_ds import __version__
 
     return {
@@ -63,6 +65,8 @@ def build(args: Namespace, layout: Layout, iteration: int, consumed_train_sample
         "consumed_train_samples": consumed_train_samples,
         "consumed_valid_samples": consumed_valid_samples,
         "layout": asdict(layout),
+        "optimizer_saved": optimizer_saved,
+        "rng_saved": rng_saved,
         "args": {k: jsonable(v) for k, v in sorted(vars(args).items())},
         "files": files,
     }
@@ -147,6 +151,10 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
     if load_optim and saved_layout["zero_stage"] != layout.zero_stage:
         problems.append(f"--zero-stage: checkpoint {saved_layout['zero_stage']}, this run {layout.zero_stage} "
                         "(the optimizer state is laid out per stage; pass --no-load-optim to load weights only)")
+    if load_optim and not metadata.get("optimizer_saved", True):
+        problems.append("the checkpoint was saved with --no-save-optim: pass --no-load-optim (or --finetune)")
+    if load_rng and not metadata.get("rng_saved", True):
+        problems.append("the checkpoint was saved with --no-save-rng: pass --no-load-rng (or --finetune)")
     if load_rng and saved_layout["world_size"] != layout.world_size:
         problems.append(f"world size: checkpoint {saved_layout['world_size']} ranks, this run {layout.world_size} "
                         "(each rank restores its own RNG state; pass --no-load-rng)")
