@@ -33,6 +33,7 @@ from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear
                                          seeded_normal, sequence_parallel_dropout, tp_rank, tp_replicated,
                                          tp_size)
 from megatron_ds.parallel.mappings import all_gather_sequence, copy_to_tp, reduce_from_tp, reduce_scatter_sequence
+from megatron_ds.parallel.random import tp_rank_rng
 
 
 def _tp_group_for(config: GPTConfig):
@@ -103,7 +104,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         h, d, tp = config.hidden_size, config.head_dim, tp_size(group)
         q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
-        self.head_dim = d
+        self.group, self.head_dim = group, d
         self.local_q_heads = config.num_attention_heads // tp
         self.local_kv_heads = config.num_key_value_heads // tp
         self.rope_base = config.rotary_base if config.position_embedding_type == "rope" else None
@@ -124,7 +125,9 @@ class SelfAttention(nn.Module):
         if self.rope_base is not None:
             cos, sin = rotary_tables(s, d, self.rope_base, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [b, s, nq, d]
+        # attention dropout acts on this rank's heads only: give it a stream of its own
+        with tp_rank_rng(self.group, x.device, enabled=self.training and self.core.dropout > 0):
+            out = self.core(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [b, s, nq, d]
         return self.proj(out.transpose(0, 1).reshape(s, b, nq * d))
 
 

@@ -122,6 +122,10 @@ def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None) -> Paral
         if missing:
             raise RuntimeError(f"init_parallel: torch.distributed is not initialised and {', '.join(missing)} "
                                "unset; launch through `entrypoint` (or torchrun) so env:// can rendezvous")
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+            import torch
+
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # NCCL binds its communicator to it
         dist.init_process_group(backend=backend, init_method="env://")
     dims = ParallelDims(dist.get_world_size(), tp, pp)
     rank = dist.get_rank()

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from megatron_ds.parallel import mappings, state
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         seeded_normal, slice_chunks)
+                                         seeded_normal, sequence_parallel_dropout, slice_chunks)
+from megatron_ds.parallel.random import tp_rank_rng
 from megatron_ds.parallel.testing import run_on_ranks
 
 TP = 2
@@ -98,7 +99,24 @@ def tp2_worker() -> dict:
     (loss * d["dloss"]).sum().backward()
     out["cross_entropy"] = (loss.detach(), logits.grad, {"unchanged": torch.equal(before, logits.detach())})
     out["mappings"] = mapping_checks(group, r)
+    out["rng"] = rng_checks(group)
     return out
+
+
+def rng_checks(group) -> dict[str, torch.Tensor]:
+    """Draws inside tp_rank_rng (private per rank, replayable) and after it (shared again)."""
+    torch.manual_seed(42)
+    state_before = torch.get_rng_state()
+    with tp_rank_rng(group):
+        inside = torch.rand(4)
+    after = torch.rand(4)
+    torch.set_rng_state(state_before)  # what activation checkpointing does before a recompute
+    with tp_rank_rng(group):
+        replay = torch.rand(4)
+    torch.manual_seed(42)
+    x = torch.ones(S // TP, B, H_IN)
+    return {"inside": inside, "after": after, "replay": replay,
+            "sp_dropout": sequence_parallel_dropout(x, 0.5, True, group)}
 
 
 def mapping_checks(group, r: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -227,3 +245,18 @@ def test_helpers_are_identity_without_a_group():
     for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatter_to_sequence",
                  "gather_from_sequence", "all_gather_sequence", "reduce_scatter_sequence"):
         assert getattr(mappings, name)(x, None) is x, name
+
+
+def test_tp_rank_rng_is_private_per_rank_and_replayable(tp2):
+    rng = [res["rng"] for res in tp2]
+    assert not torch.equal(rng[0]["inside"], rng[1]["inside"]), "both TP ranks drew the same numbers"
+    assert torch.equal(rng[0]["after"], rng[1]["after"]), "the shared stream diverged after the block"
+    for r in range(TP):
+        assert torch.equal(rng[r]["inside"], rng[r]["replay"]), "restoring the RNG state must replay the block"
+
+
+def test_sequence_parallel_dropout_is_the_full_sequence_mask(tp2):
+    torch.manual_seed(42)
+    full = torch.nn.functional.dropout(torch.ones(S, B, H_IN), 0.5, True)
+    got = torch.cat([res["rng"]["sp_dropout"] for res in tp2], dim=0)
+    assert torch.equal(got, full)
