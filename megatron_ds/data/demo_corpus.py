@@ -77,9 +77,18 @@ def _load(dest: str, key: str) -> DemoCorpus | None:
     return corpus if all(os.path.isfile(p) for p in files) else None
 
 
-def _build(dest: str, docs: list[tuple[str, str]], key: str) -> DemoCorpus:
+def train_bpe(texts: list[str], dest: str, vocab_size: int = RECIPE["vocab_size"]) -> tuple[str, str]:
+    """A byte-level BPE (GPT-2's recipe) saved as dest/vocab.json + dest/merges.txt; deterministic."""
     from tokenizers import ByteLevelBPETokenizer
 
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=RECIPE["min_frequency"],
+                            special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(dest)
+    return os.path.join(dest, "vocab.json"), os.path.join(dest, "merges.txt")
+
+
+def _build(dest: str, docs: list[tuple[str, str]], key: str) -> DemoCorpus:
     from megatron_ds.data.preprocess import TokenizerSpec, preprocess
 
     jsonl = os.path.join(dest, "stdlib.jsonl")
@@ -88,12 +97,7 @@ def _build(dest: str, docs: list[tuple[str, str]], key: str) -> DemoCorpus:
             f.write(json.dumps({"text": text, "path": rel}) + "\n")
     os.replace(jsonl + ".tmp", jsonl)
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator((text for _, text in docs), vocab_size=RECIPE["vocab_size"],
-                            min_frequency=RECIPE["min_frequency"], special_tokens=["<|endoftext|>"],
-                            show_progress=False)
-    bpe.save_model(dest)  # vocab.json + merges.txt, GPT-2's file layout
-    vocab_file, merge_file = os.path.join(dest, "vocab.json"), os.path.join(dest, "merges.txt")
+    vocab_file, merge_file = train_bpe([text for _, text in docs], dest)
 
     spec = TokenizerSpec("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
     result = preprocess(jsonl, os.path.join(dest, "stdlib"), spec, append_eod=True,
