@@ -28,3 +28,57 @@ demo: $(READY)
 
 test: $(READY)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ---- images: pins come from cuda/versions and rocm/versions (one --build-arg per line); every target
+# prints what it runs. BASE_IMAGE=... builds a recipe on another base (image-cpu: the CPU test base).
+# DOCKER is a client that builds with BuildKit: docker with the buildx plugin, else Debian's docker.io client.
+DOCKER      ?= $(shell docker buildx version >/dev/null 2>&1 && echo docker || { test -x /usr/bin/docker && echo /usr/bin/docker || echo docker; })
+IMAGE       ?= mds:latest
+IMAGE_ROCM  ?= mds:rocm
+IMAGE_MSAMP ?= mds:msamp
+IMAGE_CPU   ?= mds:cpu
+CPU_BASE    ?= mds-cpu-base:bookworm-torch-2.13.0_cpu
+SIF         ?= mds.sif
+SIF_LUMI    ?= mds-lumi.sif
+SQSH        ?= mds.sqsh
+BASE_IMAGE  ?=
+# CA bundle handed to pip as a BuildKit secret (behind TLS-intercepting proxies); never stored in an image
+PIP_CA      ?= $(or $(PIP_CERT),$(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/^global.cert='\(.*\)'$$/\1/p"))
+DOCKER_BUILD_FLAGS ?=
+comma       := ,
+APPTAINER   ?= $(shell command -v apptainer || command -v singularity)
+image_pins   = $(shell sed -n "s/^\([A-Z][A-Z0-9_]*\)=\(.*\)$$/--build-arg '\1=\2'/p" $(1))
+image_flags  = --progress=plain $(call image_pins,$(1)) \
+  $(if $(BASE_IMAGE),--build-arg '$(2)=$(BASE_IMAGE)') $(if $(PIP_CA),--secret id=pip_ca$(comma)src=$(PIP_CA)) \
+  --build-arg MDS_REVISION=$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown) $(DOCKER_BUILD_FLAGS)
+
+.PHONY: image image-rocm image-msamp image-cpu image-cpu-base sif sif-lumi sqsh
+
+image:
+	DOCKER_BUILDKIT=1 $(DOCKER) build $(call image_flags,cuda/versions,BASE_IMAGE) -f Dockerfile -t $(IMAGE) .
+
+image-rocm:
+	DOCKER_BUILDKIT=1 $(DOCKER) build $(call image_flags,rocm/versions,BASE_IMAGE) -f docker/rocm.Dockerfile -t $(IMAGE_ROCM) .
+
+image-msamp:
+	DOCKER_BUILDKIT=1 $(DOCKER) build $(call image_flags,cuda/versions,MSAMP_BASE_IMAGE) -f docker/msamp.Dockerfile -t $(IMAGE_MSAMP) .
+
+image-cpu-base:
+	DOCKER=$(DOCKER) PIP_CA=$(PIP_CA) docker/cpu-base/build.sh $(CPU_BASE)
+
+# the default recipe built on the CPU test base (what CI builds and runs)
+image-cpu: image-cpu-base
+	$(MAKE) --no-print-directory image BASE_IMAGE=$(CPU_BASE) IMAGE=$(IMAGE_CPU)
+
+sif:
+	@test -n "$(APPTAINER)" || { echo "make sif: apptainer (or singularity) not found" >&2; exit 1; }
+	$(APPTAINER) build --build-arg IMAGE=$(IMAGE) $(SIF) apptainer/mds.def
+
+sif-lumi:
+	@test -n "$(APPTAINER)" || { echo "make sif-lumi: apptainer (or singularity) not found" >&2; exit 1; }
+	$(APPTAINER) build --build-arg-file rocm/versions $(SIF_LUMI) apptainer/lumi.def
+
+# squashfs for Slurm's pyxis/enroot (srun --container-image=./mds.sqsh)
+sqsh:
+	@command -v enroot >/dev/null || { echo "make sqsh: enroot not found" >&2; exit 1; }
+	enroot import -o $(SQSH) dockerd://$(IMAGE)

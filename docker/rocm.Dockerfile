@@ -1,0 +1,64 @@
+# mds ROCm image: AMD's ROCm PyTorch + DeepSpeed (+ flash-attn and apex for ROCm where the base lacks
+# them) + megatron_ds; the LUMI RCCL profile (rocm/profiles/lumi.ini) is installed and applied by
+# `entrypoint launch` when it detects LUMI.   make image-rocm   (pins: rocm/versions)
+# Needs BuildKit. CI builds it from the CPU test base: the ROCm-only steps then say what they skip.
+ARG BASE_IMAGE=rocm/pytorch:rocm6.2.3_ubuntu22.04_py3.10_pytorch_release_2.3.0
+FROM ${BASE_IMAGE}
+
+ARG BASE_IMAGE
+ARG PYTHON_VERSION=3.10
+ARG TORCH_VERSION=2.3.0
+ARG ROCM_VERSION=6.2.3
+ARG DEEPSPEED_VERSION=0.19.8
+ARG PYTORCH_ROCM_ARCH=gfx90a;gfx942
+ARG DS_BUILD_OPS_LIST=FUSED_ADAM,FUSED_LAMB,CPU_ADAM,UTILS
+ARG FLASH_ATTN_ROCM_REPO=https://github.com/ROCm/flash-attention
+ARG FLASH_ATTN_ROCM_COMMIT=4819271048d093aabc1a58e30affeadf46da30e9
+ARG APEX_ROCM_REPO=https://github.com/ROCm/apex
+ARG APEX_ROCM_COMMIT=491be2b038555f2e5bb6e9222eaacf47fe9f0fc2
+ARG MDS_VERSION=0.1.0
+ARG MDS_SOURCE=https://github.com/mds-project/mds
+ARG MDS_REVISION=unknown
+ARG PIN_CHECK=warn
+
+LABEL org.opencontainers.image.title="mds-rocm" \
+      org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with one entrypoint (ROCm)" \
+      org.opencontainers.image.version="${MDS_VERSION}" \
+      org.opencontainers.image.source="${MDS_SOURCE}" \
+      org.opencontainers.image.revision="${MDS_REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      io.mds.flavour="rocm" \
+      io.mds.stack.python="${PYTHON_VERSION}" \
+      io.mds.stack.torch="${TORCH_VERSION}" \
+      io.mds.stack.rocm="${ROCM_VERSION}" \
+      io.mds.stack.deepspeed="${DEEPSPEED_VERSION}" \
+      io.mds.stack.pytorch-rocm-arch="${PYTORCH_ROCM_ARCH}" \
+      io.mds.stack.flash-attn-rocm="${FLASH_ATTN_ROCM_COMMIT}" \
+      io.mds.stack.apex-rocm="${APEX_ROCM_COMMIT}"
+
+ENV MDS_IMAGE_FLAVOUR=rocm \
+    MDS_PATCH_MANIFEST=/opt/mds/patch-manifest.json \
+    PYTHONUNBUFFERED=1
+
+COPY docker/steps/ /opt/mds/steps/
+RUN sh /opt/mds/steps/check-base.sh
+RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-deepspeed.sh
+RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-gpu-extension.sh "flash-attn (ROCm)" flash_attn \
+        "$FLASH_ATTN_ROCM_REPO" "$FLASH_ATTN_ROCM_COMMIT"
+RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-gpu-extension.sh "apex (ROCm)" apex \
+        "$APEX_ROCM_REPO" "$APEX_ROCM_COMMIT" --config-settings=--build-option=--cpp_ext --config-settings=--build-option=--cuda_ext
+COPY pyproject.toml /opt/mds/deps/pyproject.toml
+RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-deps.sh /opt/mds/deps/pyproject.toml
+
+COPY patches/ /opt/mds/patches/
+RUN python3 /opt/mds/patches/apply --manifest "$MDS_PATCH_MANIFEST"
+
+COPY . /opt/mds/src/
+RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src && \
+    sh /opt/mds/steps/record-stack.sh PYTHON_VERSION TORCH_VERSION ROCM_VERSION DEEPSPEED_VERSION
+
+RUN sh /opt/mds/steps/self-check.sh
+
+WORKDIR /workspace
+CMD ["entrypoint", "--help"]

@@ -1,0 +1,145 @@
+"""Static checks of the image recipes: what CI cannot build (GPU bases, MS-AMP, LUMI) is at least
+consistent with its pins, lint-clean, parseable and wired to step scripts that exist."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from .recipes import (DEFINITIONS, DOCKERFILES, NOT_PINS, ROOT, STEP_SCRIPTS, definition_arguments,
+                      definition_sections, dockerfile_args, dockerfile_instructions, read_pins)
+
+MAKE_TARGETS = ("image", "image-rocm", "image-msamp", "image-cpu", "sif", "sif-lumi", "sqsh")
+
+
+@pytest.mark.parametrize("recipe", sorted(DOCKERFILES))
+def test_every_dockerfile_pin_comes_from_the_pin_file(recipe):
+    pins, args = read_pins(DOCKERFILES[recipe]), dockerfile_args(recipe)
+    unpinned = sorted(name for name in args if name not in pins and name not in NOT_PINS)
+    assert not unpinned, f"{recipe}: ARG {unpinned} not listed in {DOCKERFILES[recipe]}"
+    differ = {name: (args[name], pins[name]) for name in args if name in pins and args[name] != pins[name]}
+    assert not differ, f"{recipe}: ARG default != {DOCKERFILES[recipe]} (default, pin): {differ}"
+
+
+@pytest.mark.parametrize("recipe", sorted(DOCKERFILES))
+def test_dockerfile_lint(recipe):
+    steps = dockerfile_instructions(recipe)
+    text = (ROOT / recipe).read_text()
+    assert steps[0][0] == "ARG" and steps[1][0] == "FROM", f"{recipe}: must start with the base ARG, then FROM"
+    base_arg = steps[0][1].split("=")[0]
+    assert steps[1][1] == "${%s}" % base_arg, f"{recipe}: FROM must use the {base_arg} build argument"
+    assert ":latest" not in text, f"{recipe}: a ':latest' tag is not a pin"
+    assert re.search(r":[\w.-]+$", steps[0][1]), f"{recipe}: base image has no pinned tag: {steps[0][1]}"
+    for instruction, rest in steps:
+        if instruction in ("COPY", "ADD"):
+            assert instruction == "COPY", f"{recipe}: use COPY, not ADD ({rest})"
+            for source in rest.split()[:-1]:
+                assert (ROOT / source).exists(), f"{recipe}: COPY {source}: no such path in the repository"
+        if instruction == "RUN":
+            assert "|| true" not in rest, f"{recipe}: '|| true' hides a failing step: {rest}"
+            for script in re.findall(r"/opt/mds/steps/([\w.-]+)", rest):
+                assert (ROOT / "docker" / "steps" / script).is_file(), f"{recipe}: step {script} does not exist"
+            if re.search(r"pip_install|install-[\w-]+\.sh", rest):
+                assert "--mount=type=secret,id=pip_ca" in rest, f"{recipe}: pip step without the pip_ca secret: {rest}"
+    labels = " ".join(rest for instruction, rest in steps if instruction == "LABEL")
+    for key in ("org.opencontainers.image.version", "org.opencontainers.image.source",
+                "org.opencontainers.image.revision", "org.opencontainers.image.base.name", "io.mds.stack.torch",
+                "io.mds.stack.deepspeed"):
+        assert key + "=" in labels, f"{recipe}: LABEL {key} missing"
+    runs = [rest for instruction, rest in steps if instruction == "RUN"]
+    assert runs[0].endswith("check-base.sh"), f"{recipe}: the first RUN must be the base preflight"
+    assert runs[-1].endswith("self-check.sh"), f"{recipe}: the last RUN must be the self check"
+    # cache-friendly: the source tree is copied after every dependency install
+    copy_all = next(i for i, (ins, rest) in enumerate(steps) if ins == "COPY" and rest.startswith(". "))
+    assert not any(re.search(r"install-(deepspeed|deps|gpu-extension|msamp)", rest)
+                   for ins, rest in steps[copy_all:]), f"{recipe}: a dependency is installed after COPY ."
+
+
+def test_recipes_share_their_step_scripts():
+    used = {script for recipe in DOCKERFILES for script in re.findall(r"/opt/mds/steps/([\w.-]+)",
+                                                                       (ROOT / recipe).read_text())}
+    used |= set(re.findall(r"/opt/mds/steps/([\w.-]+)", (ROOT / "apptainer/lumi.def").read_text()))
+    used |= {"lib.sh", "fetch-source.sh"}  # sourced / called by other steps
+    assert {p.name for p in STEP_SCRIPTS} == used, "every step script is used by a recipe, and only existing ones are"
+
+
+def test_shellcheck_step_scripts():
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck not installed (.ci/run installs it: apt-get install shellcheck)")
+    scripts = [*STEP_SCRIPTS, ROOT / "docker/cpu-base/build.sh"]
+    result = subprocess.run(["shellcheck", "--shell=sh", "--external-sources", *map(str, scripts)],
+                            cwd=ROOT / "docker" / "steps", capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_step_hides_a_failure():
+    for path in [*STEP_SCRIPTS, ROOT / "docker/cpu-base/build.sh", ROOT / "patches/apply"]:
+        assert "|| true" not in path.read_text(), f"{path}: '|| true' hides a failure"
+        if path.suffix == ".sh" and path.name != "lib.sh":
+            assert '. "$(dirname "$0")/lib.sh"' in path.read_text() or path.parent.name == "cpu-base", \
+                f"{path}: does not source lib.sh (strict mode, logging, pip CA)"
+
+
+@pytest.mark.parametrize("definition", sorted(DEFINITIONS))
+def test_apptainer_definition(definition, tmp_path):
+    from spython.main.parse.parsers import SingularityParser
+
+    sections = definition_sections(definition)
+    for name in ("help", "labels", "files", "environment", "runscript", "test", "arguments"):
+        assert sections.get(name, "").strip(), f"{definition}: %{name} missing or empty"
+    header = dict(line.split(":", 1) for line in sections["header"].splitlines() if ":" in line)
+    bootstrap = header["Bootstrap"].strip()
+    assert bootstrap == {"apptainer/mds.def": "docker-daemon", "apptainer/lumi.def": "localimage"}[definition]
+    # spython parses docker-type bootstraps only: parse a copy whose header says docker (sections unchanged)
+    text = (ROOT / definition).read_text()
+    copy = tmp_path / "recipe.def"
+    copy.write_text(text.replace(f"Bootstrap: {bootstrap}", "Bootstrap: docker", 1))
+    recipe = SingularityParser(str(copy)).recipe["spython-base"]
+    runscript = recipe.cmd if "exec entrypoint" in recipe.cmd else "\n".join(recipe.install)  # multi-line: a script
+    assert 'exec entrypoint "$@"' in runscript, f"{definition}: %runscript must exec entrypoint \"$@\""
+    assert sections["runscript"].strip().splitlines()[-1].strip() == 'exec entrypoint "$@"'
+    assert any("self-check.sh" in line for line in recipe.install), f"{definition}: %test must run the self check"
+    assert any(label.startswith("io.mds.flavour ") for label in recipe.labels)
+    for entry in recipe.files:
+        source = entry.split()[0]
+        assert (ROOT / source).exists(), f"{definition}: %files {source}: no such path (build from the repo root)"
+    # every {{ VAR }} is declared in %arguments, and the defaults equal the platform's pin file
+    arguments = definition_arguments(definition)
+    used = set(re.findall(r"{{\s*(\w+)\s*}}", text))
+    assert used <= set(arguments), f"{definition}: undeclared arguments {used - set(arguments)}"
+    if DEFINITIONS[definition]:
+        pins = read_pins(DEFINITIONS[definition])
+        differ = {k: (v, pins.get(k)) for k, v in arguments.items() if pins.get(k) != v}
+        assert not differ, f"{definition}: %arguments default != {DEFINITIONS[definition]}: {differ}"
+
+
+def test_makefile_targets_print_the_pinned_builds():
+    env = dict(os.environ, DOCKER="docker", APPTAINER="apptainer", PIP_CA="")
+    out = subprocess.run(["make", "-n", *MAKE_TARGETS], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for name, value in read_pins("cuda/versions").items():
+        assert f"--build-arg '{name}={value}'" in text
+    assert "-f docker/rocm.Dockerfile" in text and "--build-arg 'ROCM_VERSION=" in text
+    assert "-f docker/msamp.Dockerfile" in text
+    assert "apptainer build --build-arg IMAGE=mds:latest mds.sif apptainer/mds.def" in text
+    assert "apptainer build --build-arg-file rocm/versions mds-lumi.sif apptainer/lumi.def" in text
+    assert "enroot import -o mds.sqsh dockerd://mds:latest" in text
+    based = subprocess.run(["make", "-n", "image", "BASE_IMAGE=example/base:1"], cwd=ROOT, env=env,
+                           capture_output=True, text=True).stdout
+    assert based.rindex("'BASE_IMAGE=example/base:1'") > based.index("'BASE_IMAGE=nvcr.io"), \
+        "BASE_IMAGE=... must come after the pinned one (the last --build-arg wins)"
+
+
+def test_readme_images_table_has_a_row_per_target():
+    text = (ROOT / "README.md").read_text()
+    assert "## Images" in text
+    table = text.split("## Images", 1)[1].split("\n## ", 1)[0]
+    for target in MAKE_TARGETS:
+        row = next((line for line in table.splitlines() if line.startswith(f"| `make {target}`")), None)
+        assert row, f"README Images table: no row for make {target}"
+        assert row.count("`") >= 4, f"README Images row for {target} lacks the command that verifies it"
