@@ -30,6 +30,10 @@ def _device() -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the node's cores: more threads than cores makes gloo collectives crawl.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local)))
     return torch.device("cpu")
 
 
@@ -53,6 +57,9 @@ class Trainer:
         args = self.args
         self.device = _device()
         backend = args.distributed_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
+            # One process: an in-memory store, so no TCP port is needed (nor can collide with another job).
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.state = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend)
         # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
         torch.manual_seed(args.seed + 100 * self.state.pp_rank)

@@ -44,6 +44,14 @@ class LRSchedule:
         """The learning rate for the coming optimizer step."""
         return self.lr_at(self.step + 1)
 
+    def state_dict(self) -> dict:
+        return {"step": self.step, "max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
+                "decay_steps": self.decay_steps, "style": self.style}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Only the position is restored: the flags of the resumed run define the schedule's shape.
+        self.step = int(state["step"])
+
 
 class ScheduledLR:
     """An LRSchedule driving an optimizer, with the interface DeepSpeed expects of `lr_scheduler`.
@@ -76,14 +84,6 @@ class ScheduledLR:
     def load_state_dict(self, state: dict) -> None:
         self.schedule.load_state_dict(state)
         self._apply()
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
-                "decay_steps": self.decay_steps, "style": self.style}
-
-    def load_state_dict(self, state: dict) -> None:
-        # Only the position is restored: the flags of the resumed run define the schedule's shape.
-        self.step = int(state["step"])
 
 
 def from_args(args) -> LRSchedule:

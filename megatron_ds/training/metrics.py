@@ -116,7 +116,8 @@ class MetricsLogger:
         parts.append(f"number of skipped iterations: {skipped:3d}")
         if record["tokens_per_s"] is not None:
             parts.append(f"tokens per second: {record['tokens_per_s']:.1f}")
-            parts.append(f"TFLOPs: {record['tflops_per_gpu']:.2f}")
+            tflops = record["tflops_per_gpu"]
+            parts.append(f"TFLOPs: {tflops:.2f}" if tflops >= 1 else f"TFLOPs: {tflops:.3g}")
         if record["mfu"] is not None:
             parts.append(f"MFU: {100 * record['mfu']:.1f}%")
         print(" | ".join(parts) + " |", file=self.stream, flush=True)

@@ -1,0 +1,176 @@
+"""Flags, presets, ALCF env and every validation rule: fast, in-process, no process group."""
+
+import json
+
+import pytest
+
+from megatron_ds.training.arguments import ConfigError, pad_vocab_size, parse_args, validate
+from megatron_ds.training.presets import PRESETS
+
+
+@pytest.fixture
+def files(tmp_path):
+    prefix = tmp_path / "corpus"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("")
+    return dict(prefix=str(prefix), vocab=str(tmp_path / "vocab.json"), merges=str(tmp_path / "merges.txt"),
+                dir=tmp_path)
+
+
+def base(files, *extra):
+    return ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--data-path", files["prefix"],
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"], "--merge-file", files["merges"],
+            *extra]
+
+
+def check(files, extra, world, flag, text, env=None):
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(base(files, *extra), env=env or {}), world)
+    assert err.value.flag == flag, str(err.value)
+    assert text in str(err.value)
+
+
+def test_valid_config_fills_derived_values(files):
+    args = parse_args(base(files, "--tensor-model-parallel-size", "2", "--global-batch-size", "16"), env={})
+    validate(args, 8)
+    assert (args.data_parallel_size, args.gradient_accumulation_steps) == (4, 2)
+    assert args.max_position_embeddings == 64 and args.lr_decay_iters == 10 and args.zero_stage == 0
+    assert args.attention_backend == "auto" and args.normalization == "LayerNorm"
+
+
+def test_global_batch_defaults_to_micro_times_dp(files):
+    args = parse_args(base(files), env={})
+    validate(args, 4)
+    assert args.global_batch_size == 8 and args.gradient_accumulation_steps == 1
+
+
+@pytest.mark.parametrize("extra, world, flag, text", [
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 4,
+     "--num-attention-heads", "not divisible by --tensor-model-parallel-size 4"),
+    (["--num-key-value-heads", "2", "--tensor-model-parallel-size", "4"], 4,
+     "--num-key-value-heads", "not divisible by --tensor-model-parallel-size 4"),
+    (["--num-key-value-heads", "3"], 1, "--num-key-value-heads", "must divide --num-attention-heads 4"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+     "--num-layers", "not divisible by --pipeline-model-parallel-size 2"),
+    (["--global-batch-size", "6"], 2, "--global-batch-size", "not divisible by --micro-batch-size 2 x data-parallel"),
+    (["--max-position-embeddings", "32"], 1, "--seq-length", "exceeds --max-position-embeddings 32"),
+    (["--sequence-parallel"], 1, "--sequence-parallel", "needs --tensor-model-parallel-size > 1"),
+    (["--zero-stage", "2", "--pipeline-model-parallel-size", "2"], 2, "--zero-stage", "--no-pipeline-parallel"),
+    (["--zero-stage", "3", "--pipeline-model-parallel-size", "2"], 2, "--zero-stage", "ZeRO-1"),
+    (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"], 2, "--no-pipeline-parallel", "conflicts"),
+    (["--tensor-model-parallel-size", "2"], 3, "--tensor-model-parallel-size", "world size 3 is not divisible"),
+    (["--bf16", "--fp16"], 1, "--bf16", "cannot be combined with --fp16"),
+    (["--hidden-size", "66"], 1, "--hidden-size", "not divisible by --num-attention-heads"),
+    (["--lr-warmup-iters", "20"], 1, "--lr-warmup-iters", "must be within"),
+    (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], 1, "--lr-warmup-fraction", "not both"),
+    (["--min-lr", "1"], 1, "--min-lr", "exceeds --lr"),
+    (["--data-path", "/nonexistent/prefix"], 1, "--data-path", "file not found: /nonexistent/prefix.bin"),
+    (["--data-path", "0.5", "a"], 1, "--data-path", "file not found: a.bin"),
+    (["--vocab-file", "/nonexistent/vocab.json"], 1, "--vocab-file", "file not found"),
+    (["--split", "1,x"], 1, "--split", "comma-separated"),
+])
+def test_each_rule_has_its_message(files, extra, world, flag, text):
+    check(files, extra, world, flag, text)
+
+
+def test_required_flags_name_themselves(files):
+    for flag in ("--num-layers", "--micro-batch-size", "--train-iters", "--lr", "--data-path"):
+        argv = base(files)
+        i = argv.index(flag)
+        del argv[i:i + 2]
+        with pytest.raises(ConfigError) as err:
+            validate(parse_args(argv, env={}), 1)
+        assert err.value.flag == flag and "required" in str(err.value)
+
+
+def test_unknown_and_abbreviated_flags_are_errors(files):
+    for bad in (["--frobnicate"], ["--num-layer", "3"], ["--hidden", "64"]):
+        with pytest.raises(ConfigError) as err:
+            parse_args(base(files, *bad), env={})
+        assert err.value.flag == bad[0] and "unknown or unsupported flag" in str(err.value)
+
+
+def test_no_op_flags_are_accepted_with_a_notice(files):
+    args = parse_args(base(files, "--no-masked-softmax-fusion", "--dataset-impl", "mmap", "--no-bias-gelu-fusion"),
+                      env={})
+    assert len(args.notices) == 3 and all("accepted and ignored" in n for n in args.notices)
+    with pytest.raises(ConfigError, match="--dataset-impl"):
+        parse_args(base(files, "--dataset-impl", "lazy"), env={})
+
+
+def test_preset_fills_shape_and_explicit_flags_win():
+    args = parse_args(["--preset", "GPT1_3B", "--num-layers", "2"], env={})
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length) == (2, 2048, 16, 2048)
+    llama = parse_args(["--preset", "llama_70b"], env={})
+    assert (llama.num_key_value_heads, llama.normalization, llama.swiglu, llama.position_embedding_type) == \
+        (8, "RMSNorm", True, "rope")
+    assert llama.untie_embeddings_and_output_weights and llama.disable_bias_linear
+    with pytest.raises(ConfigError, match="unknown preset"):
+        parse_args(["--preset", "GPT9000B"], env={})
+
+
+def test_every_preset_is_a_valid_shape():
+    from megatron_ds.model.config import GPTConfig
+
+    for name, shape in PRESETS.items():
+        args = parse_args(["--preset", name], env={})
+        GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_key_value_heads=args.num_key_value_heads,
+                  num_attention_heads=args.num_attention_heads, vocab_size=50304, seq_length=args.seq_length,
+                  ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu), name
+
+
+def test_alcf_environment_with_flags_winning(files):
+    env = {"MODEL_SIZE_KEY": "GPT125M", "SEQ_LEN": "32", "MICRO_BATCH": "1", "GAS": "2", "ZERO_STAGE": "1",
+           "PPSIZE": "2", "MPSIZE": "2", "USE_FLASH_ATTN_V2": "0", "SP_TYPE": "megatron"}
+    argv = ["--data-path", files["prefix"], "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--train-iters", "5", "--lr", "1e-4", "--num-layers", "4", "--pipeline-model-parallel-size", "1"]
+    args = parse_args(argv, env=env)
+    validate(args, 4)
+    assert (args.hidden_size, args.num_layers, args.seq_length, args.micro_batch_size) == (768, 4, 32, 1)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.zero_stage) == (2, 1, 1)
+    assert args.sequence_parallel and args.gradient_accumulation_steps == 2 and args.global_batch_size == 4
+    assert parse_args(argv, env=dict(env, USE_FLASH_ATTN_V2="1")).attention_backend == "flash2"
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv, env=dict(env, SP_TYPE="ds"))
+    assert err.value.flag == "SP_TYPE"
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv, env=dict(env, MICRO_BATCH="two"))
+    assert err.value.flag == "MICRO_BATCH"
+
+
+def test_flash_attention_switches_map_to_backend(files):
+    assert parse_args(base(files, "--use-flash-attn-v2"), env={}).attention_backend == "flash2"
+    args = parse_args(base(files, "--use-flash-attn-v1"), env={})
+    assert args.attention_backend == "auto" and any("--use-flash-attn-v1" in n for n in args.notices)
+    assert parse_args(base(files, "--use-flash-attn-v2", "--attention-backend", "sdpa"), env={}).attention_backend \
+        == "sdpa"
+
+
+def test_deepspeed_config_must_agree(files):
+    def ds(config):
+        path = files["dir"] / "ds.json"
+        path.write_text(json.dumps(config))
+        return ["--deepspeed", "--deepspeed_config", str(path)]
+
+    args = parse_args(base(files, *ds({"train_batch_size": 8, "zero_optimization": {"stage": 1},
+                                      "bf16": {"enabled": True}}), "--bf16"), env={})
+    validate(args, 2)
+    assert args.global_batch_size == 8 and args.zero_stage == 1 and args.gradient_accumulation_steps == 2
+    check(files, [*ds({"train_batch_size": 8}), "--global-batch-size", "4"], 2, "--global-batch-size",
+          "disagrees with train_batch_size=8")
+    check(files, ds({"train_micro_batch_size_per_gpu": 4}), 1, "--micro-batch-size", "disagrees")
+    check(files, ds({"bf16": {"enabled": True}}), 1, "--bf16", "enables bf16 but --bf16 was not given")
+    check(files, [*ds({"fp16": {"enabled": False}}), "--fp16"], 1, "--fp16", "fp16.enabled=false")
+    check(files, [*ds({"zero_optimization": {"stage": 2}}), "--zero-stage", "1"], 1, "--zero-stage", "disagrees")
+    check(files, [*ds({"gradient_accumulation_steps": 3}), "--global-batch-size", "4"], 1, "--global-batch-size",
+          "disagrees with gradient_accumulation_steps")
+    check(files, ["--deepspeed_config", "/nonexistent.json"], 1, "--deepspeed_config", "file not found")
+
+
+def test_vocab_padding_matches_megatron():
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(50257, 128, 2) == 50432
+    assert pad_vocab_size(256, 128, 2) == 256

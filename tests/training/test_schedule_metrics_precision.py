@@ -1,0 +1,84 @@
+"""LR schedule shapes, metrics arithmetic, the precision seam and the DeepSpeed config builder."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_ds.precision import Precision
+from megatron_ds.training.ds_config import build_ds_config
+from megatron_ds.training.lr_schedule import LRSchedule, ScheduledLR
+from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops
+
+
+def test_warmup_then_linear_and_cosine_decay():
+    lin = LRSchedule(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, style="linear")
+    assert lin.lr_at(5) == pytest.approx(0.5) and lin.lr_at(10) == pytest.approx(1.0)
+    assert lin.lr_at(60) == pytest.approx(0.1 + 0.5 * 0.9) and lin.lr_at(110) == pytest.approx(0.1)
+    assert lin.lr_at(500) == pytest.approx(0.1)
+    cos = LRSchedule(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100, style="cosine")
+    assert cos.lr_at(50) == pytest.approx(0.5) and cos.lr_at(25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    const = LRSchedule(max_lr=2.0, min_lr=0.0, warmup_steps=4, decay_steps=8, style="constant")
+    assert const.lr_at(2) == pytest.approx(1.0) and const.lr_at(100) == 2.0
+
+
+def test_scheduled_lr_drives_the_optimizer_and_resumes():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=99.0)
+    sched = ScheduledLR(opt, LRSchedule(1.0, 0.0, 4, 8))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25)  # lr of the first update
+    for _ in range(3):
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
+    state = sched.state_dict()
+    other = ScheduledLR(opt, LRSchedule(1.0, 0.0, 4, 8))
+    other.load_state_dict(state)
+    assert other.get_lr() == [pytest.approx(1.0)] and other.schedule.step == 3
+
+
+def test_metrics_record_is_consistent(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = MetricsLogger(enabled=True, train_iters=10, global_batch_size=8, seq_length=64, flops_per_token=1e9,
+                           world_size=2, peak=100e12, metrics_file=str(path), tensorboard_dir=str(tmp_path / "tb"))
+    rec = logger.log_train(StepStats(3, 24, 2.5, 1e-3, 0.7, None, 0.5))
+    logger.log_eval(3, 24, 2.0)
+    logger.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == rec and set(rec) == {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
+                                            "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gib"}
+    assert rec["tokens_per_s"] * rec["step_time_s"] == pytest.approx(8 * 64)
+    assert rec["tflops_per_gpu"] == pytest.approx(1e9 * 1024 / 2 / 1e12)
+    assert rec["mfu"] == pytest.approx(rec["tflops_per_gpu"] / 100)
+    assert lines[1]["val_loss"] == 2.0 and lines[1]["val_ppl"] == pytest.approx(math.exp(2.0))
+    assert list((tmp_path / "tb").iterdir())
+
+
+def test_peak_flops_is_overridable_and_unknown_on_cpu():
+    assert peak_flops(312.0, env={}) == 312e12
+    assert peak_flops(None, env={"MDS_PEAK_TFLOPS": "989"}) == 989e12
+    if not torch.cuda.is_available():
+        assert peak_flops(None, env={}) is None
+
+
+def test_precision_sections():
+    fp16 = Precision("fp16", torch.float16, initial_loss_scale=2.0**16, loss_scale_window=500)
+    section = fp16.deepspeed_config()["fp16"]
+    assert section["enabled"] and section["loss_scale"] == 0.0 and section["initial_scale_power"] == 16
+    assert section["loss_scale_window"] == 500
+    assert Precision("bf16", torch.bfloat16).deepspeed_config() == {"bf16": {"enabled": True},
+                                                                    "fp16": {"enabled": False}}
+    model = torch.nn.Linear(2, 2)
+    assert Precision("fp32", torch.float32).wrap_model(model) is model
+
+
+def test_ds_config_keeps_user_sections_and_sets_flags():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(ds_config_file={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5},
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                           global_batch_size=16, micro_batch_size=2, gradient_accumulation_steps=4, clip_grad=1.0,
+                           zero_stage=1)
+    config = build_ds_config(args, Precision("bf16", torch.bfloat16), on_cpu=True)
+    assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}
+    assert config["train_batch_size"] == 16 and config["bf16"]["enabled"]
+    assert config["optimizer"]["params"]["torch_adam"] is True

@@ -1,0 +1,156 @@
+"""`entrypoint train` end to end, as a user runs it: real processes, gloo on CPU, the embedded corpus.
+
+Correctness by equivalence: every parallel layout must reproduce the single-process loss curve.
+Tolerance: |a - b| <= 1e-5 * |b| per iteration (fp32, dropout off, fixed seeds). Weights are seeded
+per (seed, layer, name) on the full matrix and sliced, and every layout sees the same global batch,
+so the only differences are the order of floating-point reductions (observed ~1e-7 relative).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
+ITERS = 5
+REL = 1e-5
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MODEL_SIZE_KEY", "SEQ_LEN",
+               "MICRO_BATCH", "GAS", "ZERO_STAGE", "PPSIZE", "MPSIZE", "USE_FLASH_ATTN_V2", "SP_TYPE")
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+
+
+def data_flags(corpus) -> list[str]:
+    return ["--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file, "--merge-file", corpus.merge_file,
+            "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0"]
+
+
+GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+       "--max-position-embeddings", "64"]
+LLAMA = ["--preset", "LLAMA_TINY"]  # rope, RMSNorm, SwiGLU, GQA (4 heads, 2 KV heads), untied, no biases
+
+
+def run_train(tmp_path_factory, corpus, name: str, model: list[str], extra: list[str], nproc: int = 1):
+    out = tmp_path_factory.mktemp(name)
+    metrics = out / "metrics.jsonl"
+    argv = [ENTRYPOINT, "train", *model, *data_flags(corpus), "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", str(ITERS), "--lr", "1e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
+            "--log-interval", "1", "--eval-iters", "0", "--metrics-file", str(metrics), *extra]
+    if nproc > 1:
+        argv += ["--nproc-per-node", str(nproc)]
+    start = time.time()
+    result = subprocess.run(argv, cwd=out, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"train": [r for r in records if "lm_loss" in r], "eval": [r for r in records if "val_loss" in r],
+            "stdout": result.stdout, "stderr": result.stderr, "seconds": time.time() - start, "dir": out}
+
+
+def assert_same_losses(run, reference, rel=REL):
+    got = [r["lm_loss"] for r in run["train"]]
+    want = [r["lm_loss"] for r in reference["train"]]
+    assert len(got) == len(want) == ITERS
+    for i, (a, b) in enumerate(zip(got, want), start=1):
+        assert abs(a - b) <= rel * abs(b), f"iteration {i}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})\n{got}\n{want}"
+
+
+@pytest.fixture(scope="module")
+def gpt_baseline(tmp_path_factory, demo_corpus):
+    return run_train(tmp_path_factory, demo_corpus, "gpt_tp1", GPT,
+                     ["--eval-iters", "1", "--eval-interval", str(ITERS), "--tensorboard-dir", "tb"])
+
+
+@pytest.fixture(scope="module")
+def gpt_tp2(tmp_path_factory, demo_corpus):
+    return run_train(tmp_path_factory, demo_corpus, "gpt_tp2", GPT, ["--tensor-model-parallel-size", "2"], nproc=2)
+
+
+@pytest.fixture(scope="module")
+def llama_baseline(tmp_path_factory, demo_corpus):
+    return run_train(tmp_path_factory, demo_corpus, "llama_tp1", LLAMA, [])
+
+
+def test_metrics_file_fields_and_consistency(gpt_baseline):
+    train = gpt_baseline["train"]
+    assert [r["iteration"] for r in train] == list(range(1, ITERS + 1))
+    assert [r["consumed_samples"] for r in train] == [4 * i for i in range(1, ITERS + 1)]
+    for r in train:
+        assert {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale", "step_time_s",
+                "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gib"} <= set(r)
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(4 * 64, rel=1e-6)  # tokens per step
+        assert r["grad_norm"] > 0 and r["mem_gib"] > 0 and r["loss_scale"] is None and r["tflops_per_gpu"] > 0
+        if "MDS_PEAK_TFLOPS" not in os.environ:
+            assert r["mfu"] is None  # CPU: no invented peak
+    assert train[0]["lr"] == pytest.approx(5e-4) and train[1]["lr"] == pytest.approx(1e-3)  # warmup 2 iterations
+    assert train[-1]["lr"] < train[1]["lr"]
+    (val,) = gpt_baseline["eval"]
+    assert val["iteration"] == ITERS and val["val_ppl"] == pytest.approx(2.718281828 ** val["val_loss"], rel=1e-6)
+    assert " iteration        5/       5 | consumed samples:           20 |" in gpt_baseline["stdout"]
+    assert any(p.name.startswith("events.out.tfevents") for p in (gpt_baseline["dir"] / "tb").iterdir())
+    assert train[-1]["lm_loss"] < train[0]["lm_loss"]
+
+
+def test_tp2_matches_tp1(gpt_baseline, gpt_tp2):
+    assert "TP 2 x PP 1 x DP 1" in gpt_tp2["stdout"]
+    assert_same_losses(gpt_tp2, gpt_baseline)
+    for a, b in zip(gpt_tp2["train"], gpt_baseline["train"]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_sequence_parallel_matches_tp2_without_it(tmp_path_factory, demo_corpus, gpt_tp2, gpt_baseline):
+    sp = run_train(tmp_path_factory, demo_corpus, "gpt_tp2_sp", GPT,
+                   ["--tensor-model-parallel-size", "2", "--sequence-parallel"], nproc=2)
+    assert_same_losses(sp, gpt_tp2)
+    assert_same_losses(sp, gpt_baseline)
+
+
+def test_pp2_matches_pp1(tmp_path_factory, demo_corpus, gpt_baseline):
+    pp = run_train(tmp_path_factory, demo_corpus, "gpt_pp2", GPT, ["--pipeline-model-parallel-size", "2"], nproc=2)
+    assert "TP 1 x PP 2 x DP 1" in pp["stdout"] and "pipeline engine" in pp["stdout"]
+    assert_same_losses(pp, gpt_baseline)
+    for a, b in zip(pp["train"], gpt_baseline["train"]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_zero0(tmp_path_factory, demo_corpus, gpt_baseline, stage):
+    run = run_train(tmp_path_factory, demo_corpus, f"gpt_zero{stage}", GPT, ["--zero-stage", str(stage)], nproc=2)
+    assert f"DP 2, ZeRO-{stage}" in run["stdout"]
+    assert_same_losses(run, gpt_baseline)
+
+
+def test_llama_tp2_matches_tp1(tmp_path_factory, demo_corpus, llama_baseline):
+    run = run_train(tmp_path_factory, demo_corpus, "llama_tp2", LLAMA, ["--tensor-model-parallel-size", "2"], nproc=2)
+    assert "4 heads (2 kv)" in run["stdout"]
+    assert_same_losses(run, llama_baseline)
+    assert llama_baseline["train"][-1]["lm_loss"] < llama_baseline["train"][0]["lm_loss"]
+
+
+@pytest.mark.parametrize("extra, flag, text", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--nproc-per-node", "1"],
+     "--tensor-model-parallel-size", "world size 1 is not divisible"),
+    (["--sequence-parallel"], "--sequence-parallel", "needs --tensor-model-parallel-size > 1"),
+    (["--zero-stage", "2", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"], "--zero-stage",
+     "cannot be combined with pipeline parallelism"),
+    (["--no-such-flag"], "--no-such-flag", "unknown or unsupported flag"),
+])
+def test_cli_config_errors_exit_2_before_any_rank_starts(demo_corpus, extra, flag, text):
+    argv = [ENTRYPOINT, "train", *GPT, *data_flags(demo_corpus), "--micro-batch-size", "2", "--train-iters", "5",
+            "--lr", "1e-3", *extra]
+    start = time.time()
+    result = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"error: {flag}: " in result.stderr and text in result.stderr
+    assert "spawning" not in result.stderr and "mds train:" not in result.stdout  # nothing was started
+    assert time.time() - start < 30
