@@ -133,7 +133,8 @@ def _from_slurm(env: Mapping[str, str]) -> _Raw:
     node_rank = _first_int(env, "SLURM_NODEID")
     local_size = None
     names = {"rank": "SLURM_PROCID", "world_size": world_var, "local_rank": "SLURM_LOCALID", "node_rank": "SLURM_NODEID",
-             "num_nodes": nnodes[0] if nnodes else "SLURM_NNODES", "nodes": nodelist_var or "SLURM_JOB_NODELIST"}
+             "num_nodes": nnodes[0] if nnodes else "SLURM_NNODES", "nodes": nodelist_var or "SLURM_JOB_NODELIST",
+             "local_world_size": "SLURM_STEP_TASKS_PER_NODE"}
     if per_node:
         _check(sum(per_node) == world,
                f"{per_node_var}={env[per_node_var]!r} sums to {sum(per_node)} tasks but {world_var}={world}")
@@ -144,7 +145,8 @@ def _from_slurm(env: Mapping[str, str]) -> _Raw:
         _check(0 <= index < len(per_node), f"SLURM_NODEID={index} is outside {per_node_var}={env[per_node_var]!r}")
         local_size = per_node[index]
         names["local_world_size"] = per_node_var
-    return _Raw("slurm", _int(env, "SLURM_PROCID"), world, _first_int(env, "SLURM_LOCALID")[1] if env.get("SLURM_LOCALID") else 0,
+    local = _first_int(env, "SLURM_LOCALID")
+    return _Raw("slurm", _int(env, "SLURM_PROCID"), world, local[1] if local else 0,
                 local_size, node_rank[1] if node_rank else None, nnodes[1] if nnodes else None, nodes, names,
                 env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None)
 

@@ -1,0 +1,155 @@
+"""Helpers for the runtime tests: a clean environment, the rank probe, and a real local Slurm.
+
+The Slurm fixture starts munged, slurmctld and slurmd (Debian's slurm-wlm and munge, as root, no
+cgroups: proctrack/linuxproc, task/none) on private ports with a private slurm.conf naming this
+machine, and stops them at the end. When they cannot start, the tests fail with the daemons' logs:
+they are never skipped (.ci/run installs the packages).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+PROBE = HERE / "probe.py"
+BIN = Path(sys.executable).parent
+ENTRYPOINT = str(BIN / "entrypoint")
+
+# Variables of any launcher: the tests build their own and must not inherit the outer job's.
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "PALS_", "FLUX_", "MPI_LOCAL", "TORCHELASTIC_", "MDS_", "PBS_")
+_LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES",
+                   "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests: no GPU ranks even on a GPU machine
+    env.update(extra)
+    return env
+
+
+def read_ranks(out_dir: Path, expected: int) -> list[dict]:
+    files = sorted(out_dir.glob("rank*.json"))
+    assert len(files) == expected, f"expected {expected} rank reports in {out_dir}, found {[f.name for f in files]}"
+    return sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
+
+
+def assert_two_ranks(out_dir: Path, master: str | None = None) -> list[dict]:
+    """Ranks 0 and 1 of world 2 ran, agreed on the master, and all_reduce summed 1 + 2."""
+    ranks = read_ranks(out_dir, 2)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {r["world_size"] for r in ranks} == {2}
+    assert {r["master_addr"] for r in ranks} == {master or ranks[0]["master_addr"]}
+    assert len({r["master_port"] for r in ranks}) == 1
+    assert [r["allreduce_sum"] for r in ranks] == [3.0, 3.0]
+    return ranks
+
+
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Slurm:
+    def __init__(self, root: Path):
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.procs: list[subprocess.Popen] = []
+        self.hostname = socket.gethostname().split(".")[0]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return clean_env(SLURM_CONF=str(self.conf), **extra)
+
+    def logs(self) -> str:
+        text = []
+        for name in ("munged.log", "slurmctld.log", "slurmd.log", "daemons.out"):
+            path = self.root / name
+            if path.exists():
+                text.append(f"--- {name}\n{path.read_text()[-3000:]}")
+        return "\n".join(text)
+
+    def _start(self, argv: list[str]) -> None:
+        out = open(self.root / "daemons.out", "ab")
+        self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def start(self) -> None:
+        for tool in ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo"):
+            if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
+                pytest.fail(f"{tool} not found: install slurm-wlm and munge (.ci/run does)")
+        if os.geteuid() != 0:
+            pytest.fail("the local Slurm needs root (slurmd runs as root); CI runs as root")
+        r = self.root
+        r.chmod(0o700)
+        (r / "state").mkdir()
+        (r / "spool").mkdir()
+        key = r / "munge.key"
+        subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
+        sock = r / "munge.sock"
+        self._start(["munged", "-F", "--force", f"--socket={sock}", f"--key-file={key}", f"--log-file={r}/munged.log",
+                     f"--pid-file={r}/munged.pid", f"--seed-file={r}/munged.seed"])
+        cpus = max(4, os.cpu_count() or 1)
+        self.conf.write_text("\n".join([
+            "ClusterName=mdstest", f"SlurmctldHost={self.hostname}(127.0.0.1)",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
+            "AuthType=auth/munge", f"AuthInfo=socket={sock}", "CredType=cred/munge",
+            "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool",
+            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd.pid",
+            f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd.log",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+            "SlurmdParameters=config_overrides",  # CPUs below may exceed the real count (oversubscribe)
+            "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+            "ReturnToService=2", "KillWait=5", "InactiveLimit=0",
+            f"NodeName={self.hostname} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
+            f"PartitionName=debug Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP", ""]))
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._start(["slurmctld", "-D", "-c", "-f", str(self.conf)])
+        self._start(["slurmd", "-D", "-f", str(self.conf)])
+        deadline = time.monotonic() + 60
+        state = ""
+        while time.monotonic() < deadline:
+            result = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), capture_output=True, text=True)
+            state = result.stdout.strip()
+            if state in ("idle", "mixed", "allocated"):
+                return
+            if any(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail(f"local Slurm did not come up (node state {state!r}):\n{self.logs()}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()

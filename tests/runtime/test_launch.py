@@ -1,0 +1,190 @@
+"""Real launchers, real processes: the per-node spawner, torchrun, Open MPI, become_rank, and faults."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runtime_helpers import ENTRYPOINT, PROBE, alive, assert_two_ranks, clean_env, free_port
+
+pytestmark = pytest.mark.slow
+PY = sys.executable
+
+
+def _run(cmd, env=None, timeout=120, **kw):
+    return subprocess.run(cmd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_spawner_runs_two_ranks_and_all_reduces(tmp_path):
+    result = _run([ENTRYPOINT, "launch", "--nproc-per-node", "2", "--label", "--", PY, str(PROBE), str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    ranks = assert_two_ranks(tmp_path, master="127.0.0.1")
+    assert [r["local_rank"] for r in ranks] == [0, 1] and {r["local_world_size"] for r in ranks} == {2}
+    assert ranks[0]["profile"] == "generic"
+    assert "spawning 2 local rank(s)" in result.stderr
+
+
+def test_torchrun(tmp_path):
+    torchrun = str(Path(PY).parent / "torchrun")
+    result = _run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python", ENTRYPOINT, "launch", "--",
+                   PY, str(PROBE), str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    assert_two_ranks(tmp_path)
+
+
+def test_open_mpi(tmp_path):
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+    result = _run([mpirun, "-n", "2", "--allow-run-as-root", "--oversubscribe", "-x", "PATH",
+                   ENTRYPOINT, "launch", "--", PY, str(PROBE), str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranks = assert_two_ranks(tmp_path, master="127.0.0.1")
+    assert [r["local_rank"] for r in ranks] == [0, 1]
+
+
+def test_become_rank_spawns_entrypoint_children(tmp_path):
+    """What `entrypoint train` does: become_rank spawns `entrypoint <child_argv>` per local rank."""
+    driver = (
+        "import sys\n"
+        "from megatron_ds.runtime.bootstrap import become_rank\n"
+        f"code = become_rank(['launch', '--', {PY!r}, {str(PROBE)!r}, {str(tmp_path)!r}], nproc_per_node=2)\n"
+        "print('supervisor returned', code)\n"
+        "sys.exit(code)\n")
+    result = _run([PY, "-c", driver])
+    assert result.returncode == 0 and "supervisor returned 0" in result.stdout, result.stderr
+    assert_two_ranks(tmp_path, master="127.0.0.1")
+
+
+def test_become_rank_in_a_rank_sets_the_environment():
+    driver = ("import os\nfrom megatron_ds.runtime.bootstrap import become_rank\n"
+              "assert become_rank(['unused']) is None\n"
+              "print(*[os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', "
+              "'MASTER_PORT', 'MDS_PROFILE')])\n")
+    env = clean_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="1",
+                    OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_PORT="4321")
+    result = _run([PY, "-c", driver], env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "2", "1", "2", "127.0.0.1", "4321", "generic"]
+
+
+# ---------------------------------------------------------------- faults
+
+RANK_SCRIPT = """
+echo $$ > "$OUT/pid_$RANK"
+sleep 300 &
+echo $! > "$OUT/child_$RANK"
+{action}
+wait
+exit 0
+"""
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(out.glob("*_*")) if p.name.startswith(("pid_", "child_"))]
+
+
+def _wait_for_files(out: Path, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("child_*"))) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(out.glob("child_*"))) == count, "ranks did not start"
+
+
+def _launch_bash(out: Path, action: str, nproc: int = 2, grace: float = 3, **kw):
+    script = RANK_SCRIPT.format(action=action)
+    return [ENTRYPOINT, "launch", "--nproc-per-node", str(nproc), "--grace", str(grace), "--", "bash", "-c", script]
+
+
+def test_failing_rank_stops_the_others_and_gives_its_exit_code(tmp_path):
+    cmd = _launch_bash(tmp_path, 'if [ "$RANK" = 1 ]; then sleep 0.5; exit 3; fi')
+    start = time.monotonic()
+    result = _run(cmd, env=clean_env(OUT=str(tmp_path)), timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3, result.stderr
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    assert "root cause: rank 1" in result.stderr and "exited with code 3" in result.stderr
+    pids = _pids(tmp_path)
+    assert len(pids) == 4 and not [p for p in pids if alive(p)], "a rank or its child is still alive"
+
+
+def test_rank_killed_by_sigkill_gives_137(tmp_path):
+    cmd = _launch_bash(tmp_path, 'if [ "$RANK" = 0 ]; then sleep 0.5; kill -9 $$; fi')
+    result = _run(cmd, env=clean_env(OUT=str(tmp_path)), timeout=60)
+    assert result.returncode == 137, result.stderr
+    assert "rank 0" in result.stderr and "killed by signal 9" in result.stderr
+    assert not [p for p in _pids(tmp_path) if alive(p)]
+
+
+def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path):
+    # rank 0 ignores SIGTERM and keeps going (its sleeps die, the loop does not)
+    cmd = _launch_bash(tmp_path, 'trap "" TERM; if [ "$RANK" = 1 ]; then sleep 0.5; exit 5; fi; while :; do sleep 0.2; done',
+                       grace=1)
+    start = time.monotonic()
+    result = _run(cmd, env=clean_env(OUT=str(tmp_path)), timeout=60)
+    assert result.returncode == 5 and time.monotonic() - start < 10, result.stderr
+    assert "SIGKILL" in result.stderr
+    assert not [p for p in _pids(tmp_path) if alive(p)]
+
+
+@pytest.mark.parametrize("sig, expect_stop", [(signal.SIGTERM, True), (signal.SIGINT, True), (signal.SIGUSR1, False)])
+def test_signals_are_forwarded_to_every_rank(tmp_path, sig, expect_stop):
+    name = sig.name[3:]
+    action = (f'trap \'echo got > "$OUT/{name}_$RANK"; kill $(cat "$OUT/child_$RANK"); exit 7\' {name}'
+              if expect_stop else f'trap \'echo got > "$OUT/{name}_$RANK"; kill $(cat "$OUT/child_$RANK")\' {name}')
+    proc = subprocess.Popen(_launch_bash(tmp_path, action), env=clean_env(OUT=str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_files(tmp_path, 2)
+        time.sleep(0.3)  # let both shells install their traps and reach `wait`
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert sorted(p.name for p in tmp_path.glob(f"{name}_*")) == [f"{name}_0", f"{name}_1"], stderr
+    assert proc.returncode == (7 if expect_stop else 0), stderr
+    assert not [p for p in _pids(tmp_path) if alive(p)]
+
+
+def test_sigterm_to_launcher_stops_ranks_that_ignore_nothing(tmp_path):
+    """Plain ranks (no trap) die of the forwarded SIGTERM: exit 143, nothing left."""
+    proc = subprocess.Popen(_launch_bash(tmp_path, ""), env=clean_env(OUT=str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_files(tmp_path, 2)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr
+    assert not [p for p in _pids(tmp_path) if alive(p)]
+
+
+@pytest.mark.parametrize("env, names", [
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, ["RANK=2", "WORLD_SIZE=2"]),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "n1"},
+     ["SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS=4"]),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, ["OMPI_COMM_WORLD_LOCAL_SIZE=2", "OMPI_COMM_WORLD_SIZE=3"]),
+])
+def test_inconsistent_environment_is_exit_2_naming_variables(env, names):
+    start = time.monotonic()
+    result = _run([ENTRYPOINT, "launch", "--", "true"], env=clean_env(**env), timeout=30)
+    assert result.returncode == 2 and time.monotonic() - start < 10
+    for name in names:
+        assert name in result.stderr
+
+
+def test_launch_tee_writes_per_rank_logs(tmp_path):
+    result = _run([ENTRYPOINT, "launch", "--nproc-per-node", "2", "--label", "--tee", str(tmp_path), "--",
+                   "sh", "-c", 'echo "hello from $RANK"'])
+    assert result.returncode == 0
+    assert "[rank0] hello from 0" in result.stdout and "[rank1] hello from 1" in result.stdout
+    assert (tmp_path / "rank1.log").read_text() == "hello from 1\n"

@@ -1,0 +1,56 @@
+"""A real local Slurm (started by the `slurm` fixture): srun and sbatch drive `entrypoint launch`."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from runtime_helpers import ENTRYPOINT, PROBE, assert_two_ranks
+
+pytestmark = pytest.mark.slow
+PY = sys.executable
+
+
+def test_srun_two_tasks_map_and_exec(slurm, tmp_path):
+    result = subprocess.run(["srun", "-n", "2", "--time=2", ENTRYPOINT, "launch", "--", PY, str(PROBE), str(tmp_path)],
+                            env=slurm.env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr + slurm.logs()
+    ranks = assert_two_ranks(tmp_path, master=slurm.hostname)
+    assert [r["local_rank"] for r in ranks] == [0, 1] and {r["local_world_size"] for r in ranks} == {2}
+    assert 20000 <= ranks[0]["master_port"] < 50000  # derived from the job id
+
+
+def test_srun_one_task_per_node_spawns(slurm, tmp_path):
+    result = subprocess.run(["srun", "-n", "1", "-c", "2", "--time=2", ENTRYPOINT, "launch", "--nproc-per-node", "2",
+                             "--", PY, str(PROBE), str(tmp_path)],
+                            env=slurm.env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr + slurm.logs()
+    assert "spawning 2 local rank(s)" in result.stderr
+    assert_two_ranks(tmp_path, master=slurm.hostname)
+
+
+def test_srun_failing_rank_stops_the_step(slurm, tmp_path):
+    """One task per GPU: the rank is exec'd, so Slurm sees its exit code and --kill-on-bad-exit stops the rest
+    (srun then reports the largest task exit code: 143 for the task Slurm terminated)."""
+    start = time.monotonic()
+    result = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", "--time=2", ENTRYPOINT, "launch", "--",
+                             "sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'],
+                            env=slurm.env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and time.monotonic() - start < 30, result.stdout + result.stderr
+    assert "task 1: Exited with exit code 3" in result.stderr
+
+
+def test_sbatch_generated_script_runs_to_the_end(slurm, tmp_path):
+    out = tmp_path / "ranks"
+    out.mkdir()
+    job = tmp_path / "job.sh"
+    gen = subprocess.run([ENTRYPOINT, "sbatch", "--nodes", "1", "--gpus-per-node", "0", "--ntasks-per-node", "2",
+                          "--runtime", "none", "--time", "00:05:00", "--entrypoint", ENTRYPOINT, "-o", str(job),
+                          "--", "launch", "--", PY, str(PROBE), str(out)],
+                         env=slurm.env(), capture_output=True, text=True, timeout=60)
+    assert gen.returncode == 0, gen.stderr
+    result = subprocess.run(["sbatch", "--wait", str(job)], env=slurm.env(), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=180)
+    logs = "".join(p.read_text() for p in tmp_path.glob("mds-*.out"))
+    assert result.returncode == 0, result.stdout + result.stderr + logs + slurm.logs()
+    assert_two_ranks(out, master=slurm.hostname)
