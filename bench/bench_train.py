@@ -143,7 +143,7 @@ def run_ours(args, flags: list[str]) -> dict:
         shape = resolved_shape(flags)
         ranks = args.dp_hint or 1
         need = (args.steps + 2) * shape["micro_batch_size"] * ranks * 8 * (shape["seq_length"] + 1)
-        data = synthetic_dataset(args.work_dir / "synthetic_gpt2vocab", max(need, 4_000_000))
+        data = synthetic_dataset(args.work_dir / "synthetic_gpt2vocab", max(need, 16_000_000))
     cmd = train_command(flags, steps=args.steps, metrics_file=metrics, data_prefix=data)
     t0 = time.time()
     code, tail = run_logged(cmd, work / "train.log", args.timeout)

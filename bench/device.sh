@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Run benchmark stages on a GPU machine that has torch but not our other dependencies.
+#   bash bench/device.sh STAGE [STAGE...]      (stages below; results land in bench/results and $OUT)
+# Wheels for what the machine lacks (DeepSpeed built with DS_BUILD_OPS=0, pydantic, hjson, ...) are
+# installed from .whl/ when present. Each stage runs under its own time limit so that the results of the
+# others still come back. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mds_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MDS_BENCH_WORK=/tmp/mds_bench
+LOGS=/tmp/mds_logs
+mkdir -p "$LOGS"
+
+B="python3 bench/bench_train.py"
+GPT13="--preset GPT1_3B --bf16"
+
+t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
+
+stage_single1() {  # GPT-1.3B on one GPU: ours vs HF in one call, then what a step spends its time on
+  t 240 $B --name gpt1_3b_s2048_mbs8_z1_1gpu --baseline -- $GPT13 --micro-batch-size 8 --zero-stage 1
+  t 150 $B --name gpt1_3b_s2048_mbs16_z1_1gpu -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  for v in base cudnn compile+cudnn nodrop+cudnn; do
+    t 150 python3 bench/profile_train.py --variant "$v" --out "$LOGS/profile_${v/+/_}.txt" -- $GPT13 --micro-batch-size 8 --zero-stage 1
+  done
+}
+
+stage_single2() {  # batch size, ZeRO stage, dropout, activation checkpointing; what fusion would buy
+  local S="--steps 20 --warmup-steps 5"
+  t 120 $B $S --name gpt1_3b_s2048_mbs16_z0_1gpu -- $GPT13 --micro-batch-size 16 --zero-stage 0
+  t 120 $B $S --name gpt1_3b_s2048_mbs24_z1_1gpu -- $GPT13 --micro-batch-size 24 --zero-stage 1
+  t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_nodrop_1gpu -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
+    --hidden-dropout 0 --attention-dropout 0
+  t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_ckpt_1gpu -- $GPT13 --micro-batch-size 16 --zero-stage 1 --checkpoint-activations
+  t 120 python3 bench/profile_train.py --no-profile --variant compile --out "$LOGS/profile16_compile.txt" -- \
+    $GPT13 --micro-batch-size 16 --zero-stage 1
+  t 150 python3 bench/profile_train.py --variant compile+nodrop --out "$LOGS/profile16_compile_nodrop.txt" -- \
+    $GPT13 --micro-batch-size 16 --zero-stage 1
+}
+
+stage_longseq() {  # the longest sequence GPT-1.3B trains at on one GPU with activation checkpointing
+  local S="--steps 6 --warmup-steps 2"
+  for seq in 8192 16384 32768 65536 131072; do
+    local mbs=$(( seq >= 16384 ? 1 : 16384 / seq ))
+    [ $seq -ge 131072 ] && S="--steps 3 --warmup-steps 1"
+    t 200 $B $S --name gpt1_3b_s${seq}_mbs${mbs}_z1_ckpt_1gpu -- $GPT13 --micro-batch-size $mbs --zero-stage 1 \
+      --seq-length $seq --max-position-embeddings $seq --checkpoint-activations
+  done
+}
+
+for stage in "$@"; do
+  "stage_$stage" 2>&1 | tee "$LOGS/stage_$stage.log"
+done
+python3 bench/report.py
+tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
+cp bench/RESULTS.md "$OUT/" 2>/dev/null
+echo "done: $(ls "$OUT")"
