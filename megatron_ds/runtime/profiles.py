@@ -21,6 +21,7 @@ import ctypes
 import glob
 import os
 import re
+import site
 import socket
 import sys
 from collections.abc import Mapping
@@ -64,7 +65,8 @@ class Setting:
 def profile_dirs(env: Mapping[str, str] = os.environ) -> list[Path]:
     """Where profiles live: $MDS_PROFILE_PATH, the source tree, then the installed data files."""
     dirs = [Path(p) for p in env.get("MDS_PROFILE_PATH", "").split(os.pathsep) if p]
-    roots = [Path(__file__).resolve().parents[2], Path(sys.prefix) / "share" / "mds"]
+    roots = [Path(__file__).resolve().parents[2], Path(sys.prefix) / "share" / "mds",
+             Path(site.getuserbase()) / "share" / "mds"]  # source tree, pip install, pip install --user
     dirs += [root / platform / "profiles" for root in roots for platform in PLATFORMS]
     return [d for d in dirs if d.is_dir()]
 

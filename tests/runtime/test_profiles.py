@@ -1,4 +1,5 @@
 import ctypes.util
+import json
 import os
 import shutil
 import subprocess
@@ -145,3 +146,28 @@ def test_spawned_ranks_are_bound_to_the_profile_cpu_map(tmp_path):
                              "-c", script, str(out)], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert (out / "0").read_text() == f"[{cpus[0]}]" and (out / "1").read_text() == f"[{cpus[1]}]"
+
+
+@pytest.mark.slow
+def test_installed_package_finds_the_profiles(tmp_path):
+    """A non-editable install (wheel) carries the profiles as data files under <prefix>/share/mds."""
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", str(repo), "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), "-q"], capture_output=True, text=True, timeout=300)
+    assert wheel.returncode == 0, wheel.stderr
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    [whl] = (tmp_path / "dist").glob("*.whl")
+    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                              str(whl)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    probe = ("from megatron_ds.runtime import profiles; ps = profiles.all_profiles(); "
+             "import json; print(json.dumps(sorted(ps))); print(ps['lumi'].path)")
+    result = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                            env=clean_env(), timeout=60)
+    assert result.returncode == 0, result.stderr
+    names, lumi_path = result.stdout.splitlines()
+    assert {"generic", "dgx-ib", "azure-ndv5", "aws-efa", "polaris", "lumi"} <= set(json.loads(names))
+    assert lumi_path.startswith(str(venv / "share" / "mds"))

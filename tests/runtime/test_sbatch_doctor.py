@@ -1,0 +1,94 @@
+"""Generated job scripts are valid shell (bash -n, shellcheck); the doctor reports and enforces flavours."""
+
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+from runtime_helpers import ENTRYPOINT, clean_env
+
+VARIANTS = [
+    ("pyxis", ["--runtime", "pyxis", "--image", "nvcr.io#org/mds:24.05", "--mount", "/data:/data"]),
+    ("apptainer", ["--runtime", "apptainer", "--image", "mds.sif", "--account", "proj", "--partition", "gpu"]),
+    ("none", ["--runtime", "none"]),
+    ("lumi", ["--runtime", "apptainer", "--image", "mds-rocm.sif", "--profile", "lumi", "--partition", "standard-g"]),
+    ("pbs polaris", ["--scheduler", "pbs", "--runtime", "apptainer", "--image", "mds.sif", "--profile", "polaris",
+                     "-A", "MyProject", "-p", "debug"]),
+    ("pbs host", ["--scheduler", "pbs", "--runtime", "none"]),
+]
+TRAIN = ["--", "train", "--num-layers", "2", "--data-path", "0.3 a", "--lr", "6e-4", "--save", "/ckpt dir/x"]
+
+
+def _generate(tmp_path, name, flags):
+    path = tmp_path / (name.replace(" ", "_") + ".sh")
+    result = subprocess.run([ENTRYPOINT, "sbatch", "--nodes", "2", "--gpus-per-node", "8", *flags, "-o", str(path),
+                             *TRAIN], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+@pytest.mark.parametrize("name, flags", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_generated_scripts_pass_bash_n_and_shellcheck(tmp_path, name, flags):
+    path = _generate(tmp_path, name, flags)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.fail("shellcheck not found: install it (.ci/run does)")
+    check = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    text = path.read_text()
+    assert "'/ckpt dir/x'" in text and "'0.3 a'" in text  # flags survive quoting
+
+
+def test_script_contents(tmp_path):
+    pyxis = _generate(tmp_path, "pyxis", VARIANTS[0][1]).read_text()
+    assert "#SBATCH --ntasks-per-node=8" in pyxis and "#SBATCH --gpus-per-node=8" in pyxis
+    for word in ("--container-image=", "--container-mounts=", "--no-container-mount-home", "--kill-on-bad-exit=1"):
+        assert word in pyxis
+    lumi = _generate(tmp_path, "lumi", VARIANTS[3][1]).read_text()
+    assert "--cpu-bind=mask_cpu:" in lumi and "0xfe000000000000,0xfe00000000000000" in lumi
+    assert "--rocm" in lumi and '-B "/opt/cray"' in lumi and "export MDS_PROFILE=lumi" in lumi
+    pbs = _generate(tmp_path, "pbs", VARIANTS[4][1]).read_text()
+    assert "#PBS -l select=2" in pbs and "--ppn" in pbs and "mpiexec" in pbs and "--nv" in pbs
+
+
+def test_sbatch_usage_errors_exit_2():
+    result = subprocess.run([ENTRYPOINT, "sbatch", "--nodes", "1", "--gpus-per-node", "1", "--runtime", "pyxis",
+                             "--", "train"], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--image" in result.stderr
+
+
+def _doctor(*flags, **env):
+    start = time.monotonic()
+    result = subprocess.run([ENTRYPOINT, "doctor", "--json", *flags], env=clean_env(**env), capture_output=True,
+                            text=True, timeout=120)
+    return result, json.loads(result.stdout), time.monotonic() - start
+
+
+def test_doctor_cpu_flavour_passes_strict_and_is_fast(tmp_path):
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"patches": [{"name": "msamp-fp8", "target": "MS-AMP", "applied": True}]}))
+    result, report, elapsed = _doctor("--strict", "--flavour", "cpu", MDS_PATCH_MANIFEST=str(manifest))
+    assert result.returncode == 0, report["failures"]
+    checks = {c["name"]: c for c in report["checks"]}
+    for name in ("python", "torch", "deepspeed", "tokenizers", "megatron_ds"):
+        assert checks[name]["ok"] is True and checks[name]["required"], name
+        assert checks[name]["version"]
+    assert checks["torch"]["detail"].startswith("CPU matmul ok")
+    assert checks["patch-manifest"]["ok"] is True and report["patch_manifest"]["patches"][0]["name"] == "msamp-fp8"
+    assert checks["profile"]["version"] == "generic"
+    # Budget: < 10 s on an idle 2-core machine (measured ~6-7 s); the bound here allows a loaded CI runner.
+    assert elapsed < 30, f"doctor took {elapsed:.1f} s"
+
+
+def test_doctor_strict_fails_on_the_wrong_platform_and_a_broken_manifest(tmp_path):
+    import torch
+
+    build = "rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu")
+    flavour, missing = ("rocm", {"rocm", "rccl"}) if build == "cuda" else ("cuda", {"cuda", "nccl"})
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{not json")
+    result, report, _ = _doctor("--strict", "--flavour", flavour, MDS_PATCH_MANIFEST=str(manifest))
+    assert result.returncode == 1
+    assert missing | {"patch-manifest"} <= set(report["failures"])
+    assert not {"torch", "deepspeed", "tokenizers"} & set(report["failures"])
