@@ -12,7 +12,18 @@ Tokens and labels are [b, s]. Logits are this rank's vocabulary slice [s, b, V/t
 Tensor parallelism comes from the parallel layers and the TP group of megatron_ds.parallel.state
 at build time (no group: TP=1). Each weight is drawn from a generator seeded by
 (config.seed, layer number, name) on the full matrix and then sliced, so TP=N and PP=N build the
-same model as one process does.
+same model as one process does. Modules are built on the CPU in ``config.params_dtype``; move them
+with ``.to(device)`` (deepspeed.initialize does).
+
+For the training loop:
+- Sequence parallelism needs no call after backward: weights replicated over TP but used on
+  sequence shards (norms, row-parallel biases, learned positions; marked ``sequence_parallel``)
+  get their gradient summed over TP inside backward (``tp_replicated``), so any ZeRO stage works.
+- Seed the default RNG identically on the TP ranks (Megatron: seed + 100 * pp_rank): hidden
+  dropout on replicated activations must draw the same mask there. Under SP each rank keeps its
+  rows of the full-sequence mask; attention dropout (on this rank's heads) draws from a per-rank
+  stream derived from the shared one. Both replay under activation checkpointing.
+- Logits stay in the params dtype; the loss is computed in fp32 on one working copy of them.
 """
 
 from __future__ import annotations
@@ -88,9 +99,9 @@ def rotary_tables(seq_length: int, head_dim: int, base: float, device) -> tuple[
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[i], x[i + d/2]) of x [s, b, n, d] (the GPT-NeoX / LLaMA-HF convention)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
