@@ -34,6 +34,17 @@ def _check_attention(args) -> None:
         raise ConfigError(flag, str(err)) from None
 
 
+def _check_fp16(args) -> None:
+    """DeepSpeed's fp16 path (loss scaling) exists on GPUs only; say so now rather than in every rank."""
+    if not args.fp16:
+        return
+    from megatron_ds.runtime.bootstrap import visible_gpus
+
+    if visible_gpus() == 0:
+        raise ConfigError("--fp16", "DeepSpeed supports fp16 only on GPUs and none is visible here; "
+                          "use --bf16 or fp32 (no precision flag) on CPU")
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
@@ -43,6 +54,7 @@ def main(argv: list[str]) -> int:
             return _error(str(err))
         validate(args, world)
         _check_attention(args)
+        _check_fp16(args)
     except ConfigError as err:
         return _error(str(err))
     from megatron_ds.runtime.bootstrap import become_rank

@@ -174,3 +174,26 @@ def test_vocab_padding_matches_megatron():
     assert pad_vocab_size(50257, 128, 1) == 50304
     assert pad_vocab_size(50257, 128, 2) == 50432
     assert pad_vocab_size(256, 128, 2) == 256
+
+
+def test_cli_returns_2_with_the_message(files, capsys):
+    from megatron_ds.runtime.bootstrap import visible_gpus
+    from megatron_ds.training.cli import main
+
+    assert main(base(files, "--sequence-parallel")) == 2
+    assert "error: --sequence-parallel: needs --tensor-model-parallel-size > 1" in capsys.readouterr().err
+    if visible_gpus() == 0:
+        assert main(base(files, "--fp16")) == 2
+        assert "error: --fp16: DeepSpeed supports fp16 only on GPUs" in capsys.readouterr().err
+        assert main(base(files, "--use-flash-attn-v2")) == 2
+        assert "error: --use-flash-attn-v2:" in capsys.readouterr().err
+
+
+def test_help_lists_megatron_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"], env={})
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--tensor-model-parallel-size", "--deepspeed_config", "--use-flash-attn-v2", "--preset",
+                 "--metrics-file", "--no-masked-softmax-fusion"):
+        assert flag in out

@@ -1,0 +1,107 @@
+"""`make demo`: prepare the embedded corpus and train a small GPT on it with `entrypoint train`.
+
+Runs the command exactly as a user would (a subprocess, printed first), on CPU or the GPU if there
+is one, in a few minutes; then summarises the loss curve, the throughput and where the logs are.
+
+    python -m megatron_ds.demo [--iters 300] [--out runs/demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+
+def _has_gpu() -> bool:
+    from megatron_ds.runtime.bootstrap import visible_gpus
+
+    return visible_gpus() > 0
+
+
+def build_command(corpus, out: str, iters: int, gpu: bool) -> list[str]:
+    entrypoint = shutil.which("entrypoint", path=os.path.dirname(sys.executable)) or "entrypoint"
+    command = [
+        entrypoint, "train",
+        # model: a 4-layer GPT-2-style network (~0.8M weights + embeddings of the 4k BPE vocabulary)
+        "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+        "--seq-length", "128", "--max-position-embeddings", "128",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        # batch and schedule
+        "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", str(iters),
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, iters // 15)),
+        "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
+        # data: the embedded corpus, tokenised with its own BPE
+        "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file, "--merge-file", corpus.merge_file,
+        "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0",
+        # logging
+        "--log-interval", "10", "--eval-interval", str(max(1, iters // 3)), "--eval-iters", "4",
+        "--metrics-file", os.path.join(out, "metrics.jsonl"), "--tensorboard-dir", os.path.join(out, "tensorboard"),
+    ]
+    if gpu:
+        command += ["--bf16", "--nproc-per-node", "1"]
+    return command
+
+
+def summarise(out: str, seconds: float) -> str:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    train = [r for r in records if "lm_loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    if not train:
+        return "no metrics were written"
+    steady = train[1:] or train  # the first interval includes warm-up
+    tokens_per_s = sum(r["tokens_per_s"] for r in steady) / len(steady)
+    step_ms = 1000 * sum(r["step_time_s"] for r in steady) / len(steady)
+    lines = [
+        "",
+        "demo summary",
+        f"  training loss   {train[0]['lm_loss']:.3f} (mean of iterations 1-{train[0]['iteration']}) -> "
+        f"{train[-1]['lm_loss']:.3f} (iterations {train[-2]['iteration'] + 1 if len(train) > 1 else 1}-"
+        f"{train[-1]['iteration']})",
+    ]
+    if evals:
+        lines.append(f"  validation      loss {evals[-1]['val_loss']:.3f}, perplexity {evals[-1]['val_ppl']:.1f}")
+    lines += [
+        f"  throughput      {tokens_per_s:,.0f} tokens/s, {step_ms:.0f} ms per step (mean after the first log)",
+        f"  wall time       {seconds:.0f} s including start-up",
+        f"  metrics         {os.path.join(out, 'metrics.jsonl')} (one JSON object per logged step)",
+        f"  tensorboard     tensorboard --logdir {os.path.join(out, 'tensorboard')}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_ds.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=300, help="training iterations (default 300)")
+    parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where metrics and TensorBoard logs go")
+    parser.add_argument("--data", default=os.path.join("data", "demo"), help="where the embedded corpus is prepared")
+    args = parser.parse_args(argv)
+
+    from megatron_ds.data.demo_corpus import prepare
+
+    print(f"preparing the embedded corpus in {args.data} ...", flush=True)
+    corpus = prepare(args.data)
+    print(f"corpus: {corpus.num_documents} documents, {corpus.num_tokens:,} tokens, vocabulary {corpus.vocab_size}")
+    if os.path.exists(os.path.join(args.out, "metrics.jsonl")):
+        os.remove(os.path.join(args.out, "metrics.jsonl"))  # a fresh curve per demo run
+    shutil.rmtree(os.path.join(args.out, "tensorboard"), ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    command = build_command(corpus, args.out, args.iters, _has_gpu())
+    print("\n$ " + " ".join(shlex.quote(part) for part in command) + "\n", flush=True)
+    start = time.time()
+    code = subprocess.call(command)
+    if code != 0:
+        print(f"demo: entrypoint train exited with {code}", file=sys.stderr)
+        return code
+    print(summarise(args.out, time.time() - start))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
