@@ -203,9 +203,11 @@ class EmbeddingStage(nn.Module):
     """tokens [b, s] -> hidden [s, b, h] ([s/tp, b, h] under SP): vocab-parallel word embeddings,
     plus learned positions when configured, then dropout.
 
-    ``logits(hidden)`` is the tied output head: this rank's vocabulary slice [s, b, V/tp] computed
-    with the same weight. On the last pipeline stage build it with ``positions=False``: only the
-    word embedding weight is tied (``.weight``, what DeepSpeed's tied_weight_attr names).
+    ``module(hidden, logits=True)`` is the tied output head: this rank's vocabulary slice
+    [s, b, V/tp] computed with the same weight. It goes through ``__call__`` on purpose, so module
+    hooks (ZeRO-3 gathers a partitioned weight in them) see the second use of the weight too.
+    On the last pipeline stage build it with ``positions=False``: only the word embedding weight
+    is tied (``.weight``, what DeepSpeed's tied_weight_attr names).
     """
 
     def __init__(self, config: GPTConfig, positions: bool = True):
@@ -227,7 +229,10 @@ class EmbeddingStage(nn.Module):
         """The word embedding table (this rank's vocabulary rows); tied with the output head."""
         return self.word_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, logits: bool = False) -> torch.Tensor:
+        return self._logits(x) if logits else self._embed(x)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.size(1)
         x = self.word_embeddings(tokens.t())  # partial sums [s, b, h]: rows this rank owns
         if self.sequence_parallel:
@@ -246,7 +251,7 @@ class EmbeddingStage(nn.Module):
             return sequence_parallel_dropout(x, self.dropout, self.training, self.group)
         return F.dropout(x, self.dropout, self.training)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [s(/tp), b, h] -> local logits [s, b, V/tp] with the tied word embedding weight."""
         x = all_gather_sequence(hidden, self.group) if self.sequence_parallel else copy_to_tp(hidden, self.group)
         return F.linear(x, self.word_embeddings.weight)
@@ -311,10 +316,15 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden)
         hidden = self.final_norm(hidden)
-        logits = self.embedding.logits(hidden) if self.output_head is None else self.output_head(hidden)
+        logits = self.embedding(hidden, logits=True) if self.output_head is None else self.output_head(hidden)
         if labels is None:
             return logits.transpose(0, 1)
         return lm_loss(logits, labels)
+
+
+def tied_head_forward(module: EmbeddingStage, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied head of a pipeline: ``module(hidden, logits=True)`` (DeepSpeed's forward_fn form)."""
+    return module(hidden, logits=True)
 
 
 @dataclass(frozen=True)
@@ -355,7 +365,7 @@ def gpt_stage_specs(config: GPTConfig) -> list[StageSpec]:
     specs.append(StageSpec("final_norm", FinalNorm, (config,)))
     if tied:
         specs.append(StageSpec("head", EmbeddingStage, (config,), {"positions": False}, tied_key=tied,
-                               forward_fn=EmbeddingStage.logits))
+                               forward_fn=tied_head_forward))
     else:
         specs.append(StageSpec("head", OutputHead, (config,)))
     return specs
