@@ -5,10 +5,10 @@ keeps only this rank's slice. Given the same init, TP=N holds exactly the slices
 so the two are equal by construction (at the cost of materialising the full matrix once on CPU).
 
 Parameter attributes, read by the optimizer side (DeepSpeed's grad-norm, checkpoint converters):
-``tensor_model_parallel`` (sliced over TP), ``partition_dim`` and ``partition_splits`` (how, see
-``slice_chunks``), ``sequence_parallel``
-(replicated over TP but used on sequence shards; its gradient is already summed over TP by
-``copy_to_tp`` in the forward, see ``tp_replicated``).
+- ``tensor_model_parallel``: sliced over TP; ``partition_dim`` and ``partition_splits`` say how
+  (see ``slice_chunks``);
+- ``sequence_parallel``: replicated over TP but used on sequence shards; its gradient is already
+  summed over TP inside backward (see ``tp_replicated``).
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def slice_chunks(full: torch.Tensor, splits: Sequence[int], dim: int, size: int,
     [q; k; v] or [gate; up] matrix thus keeps all its chunks on every rank. Parameters record
     their ``partition_dim`` and ``partition_splits``, so converters can undo this.
     """
-    n, r = size, rank
     pieces = []
     for chunk in full.split(list(splits), dim=dim):
-        if chunk.size(dim) % n:
-            raise ValueError(f"a weight chunk of size {chunk.size(dim)} cannot be split over {n} tensor-parallel ranks")
-        pieces.append(chunk.chunk(n, dim=dim)[r])
+        if chunk.size(dim) % size:
+            raise ValueError(f"a weight chunk of size {chunk.size(dim)} cannot be split over {size} "
+                             "tensor-parallel ranks")
+        pieces.append(chunk.chunk(size, dim=dim)[rank])
     return torch.cat(pieces, dim=dim).contiguous()
 
 
