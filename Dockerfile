@@ -20,8 +20,10 @@ ARG DS_BUILD_OPS_LIST=FUSED_ADAM,FUSED_LAMB,CPU_ADAM,UTILS
 ARG MDS_VERSION=0.1.0
 ARG MDS_SOURCE=https://github.com/mds-project/mds
 ARG MDS_REVISION=unknown
-ARG PATCH_TARGETS=
+ARG PATCH_TARGETS=deepspeed
 ARG PIN_CHECK=warn
+# the flavour doctor checks: make image-cpu builds this recipe as a cpu image
+ARG MDS_IMAGE_FLAVOUR=cuda
 
 LABEL org.opencontainers.image.title="mds" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with one entrypoint (CUDA)" \
@@ -30,7 +32,7 @@ LABEL org.opencontainers.image.title="mds" \
       org.opencontainers.image.revision="${MDS_REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
-      io.mds.flavour="cuda" \
+      io.mds.flavour="${MDS_IMAGE_FLAVOUR}" \
       io.mds.stack.python="${PYTHON_VERSION}" \
       io.mds.stack.torch="${TORCH_VERSION}" \
       io.mds.stack.cuda="${CUDA_VERSION}" \
@@ -42,7 +44,7 @@ LABEL org.opencontainers.image.title="mds" \
       io.mds.stack.deepspeed="${DEEPSPEED_VERSION}" \
       io.mds.stack.torch-cuda-arch-list="${TORCH_CUDA_ARCH_LIST}"
 
-ENV MDS_IMAGE_FLAVOUR=cuda \
+ENV MDS_IMAGE_FLAVOUR=${MDS_IMAGE_FLAVOUR} \
     MDS_PATCH_MANIFEST=/opt/mds/patch-manifest.json \
     PYTHONUNBUFFERED=1
 
@@ -53,11 +55,11 @@ RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-deepspeed.sh
 COPY pyproject.toml /opt/mds/deps/pyproject.toml
 RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-deps.sh /opt/mds/deps/pyproject.toml
 
-# Patches for installed packages (none needed for this stack today: PATCH_TARGETS lists target=DIR pairs).
+# Our patches to installed packages (patches/<dist>/, applied in site-packages; recorded in the manifest).
 COPY patches/ /opt/mds/patches/
 RUN python3 /opt/mds/patches/apply --manifest "$MDS_PATCH_MANIFEST" && \
-    for pair in $PATCH_TARGETS; do \
-        python3 /opt/mds/patches/apply "${pair%%=*}" --source "${pair#*=}" --manifest "$MDS_PATCH_MANIFEST" || exit 1; \
+    for target in $PATCH_TARGETS; do \
+        python3 /opt/mds/patches/apply "$target" --installed "$target" --manifest "$MDS_PATCH_MANIFEST" || exit 1; \
     done
 
 COPY . /opt/mds/src/

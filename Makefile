@@ -68,7 +68,8 @@ image-cpu-base:
 
 # the default recipe built on the CPU test base (what CI builds and runs)
 image-cpu: image-cpu-base
-	$(MAKE) --no-print-directory image BASE_IMAGE=$(CPU_BASE) IMAGE=$(IMAGE_CPU)
+	$(MAKE) --no-print-directory image BASE_IMAGE=$(CPU_BASE) IMAGE=$(IMAGE_CPU) \
+	  DOCKER_BUILD_FLAGS="--build-arg MDS_IMAGE_FLAVOUR=cpu $(DOCKER_BUILD_FLAGS)"
 
 sif:
 	@test -n "$(APPTAINER)" || { echo "make sif: apptainer (or singularity) not found" >&2; exit 1; }

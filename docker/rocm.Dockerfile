@@ -19,7 +19,10 @@ ARG APEX_ROCM_COMMIT=491be2b038555f2e5bb6e9222eaacf47fe9f0fc2
 ARG MDS_VERSION=0.1.0
 ARG MDS_SOURCE=https://github.com/mds-project/mds
 ARG MDS_REVISION=unknown
+ARG PATCH_TARGETS=deepspeed
 ARG PIN_CHECK=warn
+# the flavour doctor checks: make image-cpu builds this recipe as a cpu image
+ARG MDS_IMAGE_FLAVOUR=rocm
 
 LABEL org.opencontainers.image.title="mds-rocm" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with one entrypoint (ROCm)" \
@@ -28,7 +31,7 @@ LABEL org.opencontainers.image.title="mds-rocm" \
       org.opencontainers.image.revision="${MDS_REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
-      io.mds.flavour="rocm" \
+      io.mds.flavour="${MDS_IMAGE_FLAVOUR}" \
       io.mds.stack.python="${PYTHON_VERSION}" \
       io.mds.stack.torch="${TORCH_VERSION}" \
       io.mds.stack.rocm="${ROCM_VERSION}" \
@@ -37,7 +40,7 @@ LABEL org.opencontainers.image.title="mds-rocm" \
       io.mds.stack.flash-attn-rocm="${FLASH_ATTN_ROCM_COMMIT}" \
       io.mds.stack.apex-rocm="${APEX_ROCM_COMMIT}"
 
-ENV MDS_IMAGE_FLAVOUR=rocm \
+ENV MDS_IMAGE_FLAVOUR=${MDS_IMAGE_FLAVOUR} \
     MDS_PATCH_MANIFEST=/opt/mds/patch-manifest.json \
     PYTHONUNBUFFERED=1
 
@@ -51,8 +54,12 @@ RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-gpu-extension.sh "ap
 COPY pyproject.toml /opt/mds/deps/pyproject.toml
 RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-deps.sh /opt/mds/deps/pyproject.toml
 
+# Our patches to installed packages (patches/<dist>/, applied in site-packages; recorded in the manifest).
 COPY patches/ /opt/mds/patches/
-RUN python3 /opt/mds/patches/apply --manifest "$MDS_PATCH_MANIFEST"
+RUN python3 /opt/mds/patches/apply --manifest "$MDS_PATCH_MANIFEST" && \
+    for target in $PATCH_TARGETS; do \
+        python3 /opt/mds/patches/apply "$target" --installed "$target" --manifest "$MDS_PATCH_MANIFEST" || exit 1; \
+    done
 
 COPY . /opt/mds/src/
 RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src && \

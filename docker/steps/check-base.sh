@@ -9,11 +9,14 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "self check: the base image has no $
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
     || die "self check: the base image's Python is $("$PYTHON" -V 2>&1); mds needs Python >= 3.10"
 "$PYTHON" -m pip --version >/dev/null 2>&1 || die "self check: the base image has no pip for $PYTHON (python3 -m pip)"
-"$PYTHON" -c 'import torch' 2>/dev/null \
-    || die "self check: the base image lacks torch (import torch failed: $("$PYTHON" -c 'import torch' 2>&1 | tail -n 1)); use a PyTorch base image"
-pin_installed torch
-"$PYTHON" - <<'PY'
-import sys, torch
+# one interpreter start: importing torch takes seconds on small machines
+"$PYTHON" - <<'PY' || die "self check: the base image lacks torch (import torch failed, above); use a PyTorch base image"
+import sys
+try:
+    import torch
+except Exception as err:
+    sys.exit(f"mds: import torch: {type(err).__name__}: {err}")
 gpu = f"CUDA {torch.version.cuda}" if torch.version.cuda else (f"ROCm/HIP {torch.version.hip}" if getattr(torch.version, "hip", None) else "CPU-only build")
 print(f"mds: base ok: Python {sys.version.split()[0]}, torch {torch.__version__} ({gpu})")
 PY
+pin_installed torch

@@ -41,7 +41,7 @@ for key in sorted(set(pinned) | {k for k, v in found.items() if v}):
         same = bool(got) and (got.startswith(want) or want.startswith(got))
         if not same:
             differ.append(key)
-        rows.append((key, want, got, "ok" if same else "DIFFERS"))
+        rows.append((key, want, got or "-", "ok" if same else ("ABSENT" if not got else "DIFFERS")))
     else:
         rows.append((key, want or "", got or "", "pinned" if want else "found"))
 for row in rows:

@@ -16,7 +16,8 @@ if [ "$torch_kind" = cpu ] && [ "$flavour" != cpu ]; then
     note "  Transformer Engine, flash-attn, apex, MS-AMP) are reported but not required: this base has no GPU toolkit."
     flavour=cpu
 fi
-if entrypoint --help | grep -q '^  doctor '; then
+commands=$(entrypoint --help)
+if echo "$commands" | grep -q '^  doctor '; then
     entrypoint doctor --strict --flavour "$flavour" || die "self check: entrypoint doctor --strict --flavour $flavour failed (see FAILED above)"
 else
     note "entrypoint doctor is not available in this source tree: checking imports only"

@@ -13,7 +13,7 @@ DOCKERFILES = {  # recipe -> its pin file
 }
 DEFINITIONS = {"apptainer/mds.def": None, "apptainer/lumi.def": "rocm/versions"}
 # build arguments that are not versions: our own metadata and switches
-NOT_PINS = {"MDS_VERSION", "MDS_SOURCE", "MDS_REVISION", "PATCH_TARGETS", "PIN_CHECK", "IMAGE"}
+NOT_PINS = {"MDS_VERSION", "MDS_SOURCE", "MDS_REVISION", "PATCH_TARGETS", "PIN_CHECK", "IMAGE", "MDS_IMAGE_FLAVOUR"}
 STEP_SCRIPTS = sorted((ROOT / "docker" / "steps").glob("*.sh"))
 
 

@@ -162,6 +162,24 @@ def test_repository_series_are_well_formed_and_pinned():
     header, _ = apply.read_series("msamp")
     assert (header["upstream"], header["ref"], header["commit"]) == \
         (pins["MSAMP_REPO"], pins["MSAMP_REF"], pins["MSAMP_COMMIT"])
+    header, _ = apply.read_series("deepspeed")
+    for pin_file in ("cuda/versions", "rocm/versions"):
+        version = read_pins(pin_file)["DEEPSPEED_VERSION"]
+        assert (header["ref"], header["commit"]) == (version, f"pypi:deepspeed=={version}"), pin_file
+
+
+def test_deepspeed_series_applies_to_the_installed_release():
+    """The pinned DeepSpeed is the one in this environment (the test venv): check the series against it."""
+    import deepspeed
+
+    apply = load_apply()
+    header, _ = apply.read_series("deepspeed")
+    if deepspeed.__version__ != header["ref"]:
+        pytest.skip(f"DeepSpeed {deepspeed.__version__} installed here, the series is pinned to {header['ref']}")
+    result = subprocess.run([sys.executable, str(APPLY), "deepspeed", "--installed", "deepspeed", "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"deepspeed {header['ref']} is installed" in result.stdout and "applies cleanly" in result.stdout
 
 
 def test_repository_patches_hold_no_upstream_files():

@@ -1,0 +1,164 @@
+"""The recipes built for real on a local CPU base, then run: doctor, a 2-rank collective through
+`entrypoint launch`, and a 20-step CPU training run of a tiny GPT on the embedded corpus.
+
+Needs a Docker daemon and a BuildKit-capable client (.ci/run starts dockerd and sets
+MDS_REQUIRE_DOCKER=1, so there a missing daemon fails these tests instead of skipping them). The CPU
+base (Debian bookworm by debootstrap + the CPU torch wheel) is built once and cached by its tag; the
+image builds reuse Docker's layer cache, so a rerun takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from .recipes import ROOT
+
+pytestmark = pytest.mark.slow
+
+IMAGE = "mds:cpu-test"
+ROCM_IMAGE = "mds:rocm-cpu-test"
+BUILD_TIMEOUT_S = 1500
+
+
+def docker_client() -> str | None:
+    """A client that can build with BuildKit (RUN --mount): docker + buildx, or Debian's 20.10 client."""
+    candidates = [os.environ.get("DOCKER"), shutil.which("docker"), "/usr/bin/docker"]
+    for client in filter(None, dict.fromkeys(candidates)):
+        if not shutil.which(client):
+            continue
+        if subprocess.run([client, "buildx", "version"], capture_output=True).returncode == 0:
+            return client
+        version = subprocess.run([client, "version", "--format", "{{.Client.Version}}"], capture_output=True, text=True)
+        if version.returncode == 0 and version.stdout.strip().split(".")[0].isdigit() \
+                and int(version.stdout.strip().split(".")[0]) < 23:  # BuildKit built into the classic client
+            return client
+    return None
+
+
+@pytest.fixture(scope="module")
+def docker():
+    client = docker_client()
+    reason = None
+    if client is None:
+        reason = "no Docker client that builds with BuildKit (docker buildx, or Debian's docker.io)"
+    elif subprocess.run([client, "info"], capture_output=True, timeout=60).returncode != 0:
+        reason = f"no Docker daemon reachable by {client} (start dockerd: .ci/run does)"
+    if reason:
+        if os.environ.get("MDS_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"MDS_REQUIRE_DOCKER=1 but {reason}")
+        pytest.skip(reason)
+    return client
+
+
+def make(docker, *targets_and_vars, timeout=BUILD_TIMEOUT_S):
+    result = subprocess.run(["make", "--no-print-directory", *targets_and_vars, f"DOCKER={docker}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+def run(docker, image, *command, timeout=600):
+    result = subprocess.run([docker, "run", "--rm", "--shm-size=1g", image, *command], capture_output=True,
+                            text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def cpu_image(docker):
+    code, log = make(docker, "image-cpu", f"IMAGE_CPU={IMAGE}")
+    assert code == 0, log[-6000:]
+    return log
+
+
+def test_build_says_what_it_skips_and_ends_with_the_self_check(cpu_image):
+    log = cpu_image
+    assert "+ " in log or "docker/cpu-base/build.sh" in log  # make prints what it runs
+    assert "DOCKER_BUILDKIT=1" in log and "-f Dockerfile" in log
+    assert "SKIPPED prebuilding DeepSpeed ops" in log and "no GPU compiler" in log
+    assert "0001-no-start-up-jit-of-shm-comm.patch: applied" in log or "0001-no-start-up-jit-of-shm-comm.patch" in log
+    assert "mds doctor (flavour cpu" in log and "mds: self check passed" in log
+
+
+def test_labels_record_the_pinned_stack(docker, cpu_image):
+    out = subprocess.run([docker, "image", "inspect", IMAGE, "--format", "{{json .Config.Labels}}"],
+                         capture_output=True, text=True, check=True).stdout
+    labels = json.loads(out)
+    assert labels["org.opencontainers.image.version"] == "0.1.0"
+    assert labels["org.opencontainers.image.base.name"].startswith("mds-cpu-base:")
+    assert labels["io.mds.stack.deepspeed"] == "0.19.8" and labels["io.mds.flavour"] == "cpu"
+    assert labels["io.mds.stack.torch"] and labels["org.opencontainers.image.revision"]
+
+
+def test_doctor_in_the_image(docker, cpu_image):
+    code, out = run(docker, IMAGE, "entrypoint", "doctor", "--strict")
+    assert code == 0, out
+    assert "all checks passed" in out
+    code, out = run(docker, IMAGE, "entrypoint", "doctor", "--json")
+    report = json.loads(out[out.index("{"):])
+    names = [p["name"] for p in report["patch_manifest"]["patches"]]
+    assert names == ["0001-no-start-up-jit-of-shm-comm.patch"]
+    stack = json.loads(run(docker, IMAGE, "cat", "/opt/mds/stack.json")[1])
+    assert stack["found"]["DEEPSPEED_VERSION"] == "0.19.8" and "TORCH_VERSION" in stack["differs"]
+
+
+TWO_RANK_ALLREDUCE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()}/{dist.get_world_size()} allreduce {t.item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_rank_launch_in_the_image(docker, cpu_image):
+    code, out = run(docker, IMAGE, "entrypoint", "launch", "--nproc-per-node", "2", "--",
+                    "python3", "-c", TWO_RANK_ALLREDUCE, timeout=300)
+    assert code == 0, out
+    assert "rank 0/2 allreduce 3" in out and "rank 1/2 allreduce 3" in out
+
+
+TRAIN = (
+    "python3 -m megatron_ds.data.demo_corpus --dest /tmp/demo >/dev/null && "
+    "entrypoint train --nproc-per-node 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 64 --max-position-embeddings 64 --hidden-dropout 0 --attention-dropout 0 "
+    "--micro-batch-size 4 --global-batch-size 8 --train-iters 20 --lr 1e-3 --lr-warmup-iters 2 "
+    "--data-path /tmp/demo/stdlib_text_document --vocab-file /tmp/demo/vocab.json "
+    "--merge-file /tmp/demo/merges.txt --tokenizer-type GPT2BPETokenizer --split 98,2,0 "
+    "--log-interval 1 --eval-iters 0 --metrics-file /tmp/metrics.jsonl && cat /tmp/metrics.jsonl"
+)
+
+
+def test_cpu_training_run_in_the_image(docker, cpu_image):
+    """20 steps of a tiny GPT, 2 ranks (data parallel over gloo), on the embedded corpus, in the container."""
+    code, out = run(docker, IMAGE, "sh", "-c", TRAIN, timeout=900)
+    assert code == 0, out[-6000:]
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"iteration"' in line]
+    losses = {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
+    assert max(losses) == 20, f"expected 20 logged iterations, got {sorted(losses)}"
+    assert all(0 < loss < 20 for loss in losses.values())
+    assert losses[20] < losses[1], f"loss did not go down: {losses[1]} -> {losses[20]}"
+
+
+def test_rocm_recipe_on_the_cpu_base_says_what_it_skips(docker, cpu_image):
+    code, log = make(docker, "image-rocm", "BASE_IMAGE=mds-cpu-base:bookworm-torch-2.13.0_cpu",
+                     f"IMAGE_ROCM={ROCM_IMAGE}")
+    assert code == 0, log[-6000:]
+    for skipped in ("SKIPPED prebuilding DeepSpeed ops", "SKIPPED flash-attn (ROCm)", "SKIPPED apex (ROCm)",
+                    "torch is a CPU-only build: checking as flavour cpu"):
+        assert skipped in log, f"the ROCm build on a CPU base must say {skipped!r}"
+    assert "mds: self check passed" in log
+    code, out = run(docker, ROCM_IMAGE, "entrypoint", "launch", "--nproc-per-node", "2", "--",
+                    "python3", "-c", TWO_RANK_ALLREDUCE, timeout=300)
+    assert code == 0 and "rank 1/2 allreduce 3" in out, out
+
+
+def test_base_without_torch_fails_at_the_self_check_naming_it(docker, cpu_image):
+    code, log = make(docker, "image", "BASE_IMAGE=mds-rootfs:bookworm", "IMAGE=mds:bad-base-test", timeout=600)
+    assert code != 0
+    assert "self check: the base image lacks torch" in log
+    assert "== mds step: install DeepSpeed" not in log, "the preflight must stop the build before any install"
