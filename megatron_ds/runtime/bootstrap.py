@@ -84,8 +84,13 @@ def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
     if info.source == "torchrun":
         return Plan(info, False, 1, "RANK is set: this process is one rank", chosen, profile_why)
     if info.local_world_size > 1:
+        if nproc_per_node is not None and nproc_per_node != info.local_world_size:
+            _warn(f"--nproc-per-node {nproc_per_node} ignored: {info.source} already runs {info.local_world_size} "
+                  f"tasks on this node, each one rank")
         return Plan(info, False, 1, f"{info.source} runs {info.local_world_size} tasks on this node: one rank each",
                     chosen, profile_why)
+    if info.source == "none" and env.get("SLURM_JOB_ID") and int(env.get("SLURM_JOB_NUM_NODES") or 1) > 1:
+        _warn("inside a Slurm batch script but not in an srun step: only this node runs; start ranks with srun")
     if nproc > 1 and info.source == "none" and not env.get("MASTER_PORT"):
         import dataclasses
 
@@ -134,6 +139,24 @@ def rank_specs(plan: Plan, argv: list[str], base_env: dict[str, str]) -> list[Ra
     return specs
 
 
+def enter_rank(plan: Plan, *, strict: bool = False) -> None:
+    """Make this process the plan's rank: profile variables, rank variables, CPU binding."""
+    prepare_env(plan, os.environ, strict=strict)
+    os.environ.update(rank_env(plan.info))
+    cpus = bind_cpus(plan, plan.info.local_rank, os.environ)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: float = 5.0, label: bool = False,
+                tee_dir: str | None = None) -> int:
+    """Run `argv` as each local rank of the plan, supervised; returns the launcher's exit code."""
+    base = dict(os.environ)
+    prepare_env(plan, base, strict=strict)
+    print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
+    return supervise(rank_specs(plan, argv, base), grace=grace, label=label, tee_dir=tee_dir)
+
+
 def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, profile: str | None = None,
                 strict: bool = False, label: bool = False, tee_dir: str | None = None,
                 grace: float = 5.0) -> int | None:
@@ -141,24 +164,18 @@ def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, pro
 
     Returns None when this process is a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT set in os.environ, profile applied, CPUs bound); otherwise spawns
-    `entrypoint <child_argv>` per local rank, supervises them and returns the exit code.
+    `entrypoint <child_argv>` per local rank, supervises them and returns the exit code
+    (2 when the launcher's variables or the profile are inconsistent).
     """
     try:
         plan = make_plan(nproc_per_node, profile)
-        if not plan.spawn:
-            prepare_env(plan, os.environ, strict=strict)
-            os.environ.update(rank_env(plan.info))
-            cpus = bind_cpus(plan, plan.info.local_rank, os.environ)
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-            if plan.info.rank == 0:
-                print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
-            return None
-        base = dict(os.environ)
-        prepare_env(plan, base, strict=strict)
+        if plan.spawn:
+            argv = [sys.executable, "-m", "entrypoint", *child_argv]
+            return spawn_ranks(plan, argv, strict=strict, grace=grace, label=label, tee_dir=tee_dir)
+        enter_rank(plan, strict=strict)
     except (DiscoveryError, ProfileError) as err:
         print(f"entrypoint: {err}", file=sys.stderr)
         return USAGE_ERROR
-    print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
-    argv = [sys.executable, "-m", "entrypoint", *child_argv]
-    return supervise(rank_specs(plan, argv, base), grace=grace, label=label, tee_dir=tee_dir)
+    if plan.info.rank == 0:
+        print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
+    return None

@@ -12,7 +12,7 @@ import os
 import sys
 
 from megatron_ds.runtime import bootstrap
-from megatron_ds.runtime.discovery import DiscoveryError, rank_env
+from megatron_ds.runtime.discovery import DiscoveryError
 from megatron_ds.runtime.profiles import ProfileError
 
 
@@ -64,25 +64,16 @@ def main(argv: list[str]) -> int:
     try:
         plan = bootstrap.make_plan(args.nproc_per_node, args.profile)
         if plan.spawn:
-            base = dict(os.environ)
-            bootstrap.prepare_env(plan, base, strict=args.strict)
-        else:
-            bootstrap.prepare_env(plan, os.environ, strict=args.strict)
+            return bootstrap.spawn_ranks(plan, command, strict=args.strict, grace=args.grace, label=args.label,
+                                         tee_dir=args.tee)
+        bootstrap.enter_rank(plan, strict=args.strict)
     except (DiscoveryError, ProfileError) as err:
         print(f"entrypoint launch: {err}", file=sys.stderr)
         return bootstrap.USAGE_ERROR
-    if plan.spawn:
-        print(f"mds: {bootstrap.describe(plan)}", file=sys.stderr, flush=True)
-        return bootstrap.supervise(bootstrap.rank_specs(plan, command, base), grace=args.grace,
-                                   label=args.label, tee_dir=args.tee)
-    os.environ.update(rank_env(plan.info))
-    cpus = bootstrap.bind_cpus(plan, plan.info.local_rank, os.environ)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execvp(command[0], command)
+        os.execvp(command[0], command)  # the scheduler keeps our pid: its signals and exit code are the rank's
     except OSError as err:
         print(f"entrypoint launch: cannot run {command[0]!r}: {err}", file=sys.stderr)
         return 127

@@ -49,8 +49,24 @@ def test_sbatch_generated_script_runs_to_the_end(slurm, tmp_path):
                           "--", "launch", "--", PY, str(PROBE), str(out)],
                          env=slurm.env(), capture_output=True, text=True, timeout=60)
     assert gen.returncode == 0, gen.stderr
-    result = subprocess.run(["sbatch", "--wait", str(job)], env=slurm.env(), cwd=tmp_path,
-                            capture_output=True, text=True, timeout=180)
+    submit = subprocess.run(["sbatch", "--parsable", str(job)], env=slurm.env(), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr + slurm.logs()
+    job_id = submit.stdout.strip().split(";")[0]
+    state = _wait_for_job(slurm, job_id, timeout=180)  # polls faster than `sbatch --wait`
     logs = "".join(p.read_text() for p in tmp_path.glob("mds-*.out"))
-    assert result.returncode == 0, result.stdout + result.stderr + logs + slurm.logs()
+    assert state.startswith("COMPLETED") and "ExitCode=0:0" in state, state + logs + slurm.logs()
     assert_two_ranks(out, master=slurm.hostname)
+
+
+def _wait_for_job(slurm, job_id: str, timeout: float) -> str:
+    """The job's final `scontrol show job` record (JobState=... ExitCode=...)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        show = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=slurm.env(), capture_output=True,
+                              text=True, timeout=30).stdout
+        fields = dict(item.split("=", 1) for item in show.split() if "=" in item)
+        if fields.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return f"{fields['JobState']} ExitCode={fields.get('ExitCode')}"
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} did not finish in {timeout} s")
