@@ -58,7 +58,8 @@ def run_case(config: GPTConfig) -> dict:
 # At TP>1 attention dropout draws from a per-rank stream, so these are compared with each other only.
 ATTENTION_DROPOUT = dict(LLAMA, attention_dropout=0.3, attention_backend="reference")
 TP2_ONLY = {"attn_dropout": ATTENTION_DROPOUT,
-            "attn_dropout_checkpoint": dict(ATTENTION_DROPOUT, checkpoint_activations=True)}
+            "attn_dropout_checkpoint": dict(ATTENTION_DROPOUT, checkpoint_activations=True),
+            "llama_bf16_sp": dict(LLAMA, sequence_parallel=True, params_dtype=torch.bfloat16)}
 
 
 def tp2_worker() -> dict:
@@ -111,3 +112,15 @@ def test_tp2_attention_dropout_replays_under_checkpointing(tp2):
             close(ckpt["grads"][name], grad, f"rank {r} grad of {name}")
     # and the dropout did act: the loss differs from the run without it
     assert not torch.allclose(tp2[0]["attn_dropout"]["loss"], tp2[0]["llama"]["loss"])
+
+
+def test_tp2_bf16_params_close_to_tp1(tp2):
+    """bf16 weights and collectives: the same model up to bf16 rounding (loss within 1e-2 relative)."""
+    config = GPTConfig(**TP2_ONLY["llama_bf16_sp"])
+    reference = run_case(config)
+    for r, result in enumerate(tp2):
+        got = result["llama_bf16_sp"]
+        assert got["loss"].dtype == torch.float32 and got["logits"].dtype == torch.bfloat16
+        assert all(g.dtype == torch.bfloat16 for g in got["grads"].values())
+        err = (got["loss"] - reference["loss"]).abs().max().item()
+        assert err <= 1e-2 * reference["loss"].abs().max().item(), f"rank {r} bf16 loss error {err:.3g}"
