@@ -42,6 +42,19 @@ def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, fn, args
 
 
 def run_on_ranks(fn, world_size: int, *args, tp: int = 1, pp: int = 1, timeout: float = 180.0) -> list:
+    for _ in range(3):
+        try:
+            return _run_once(fn, world_size, args, tp, pp, timeout)
+        except _PortTaken:
+            continue  # another job took the free port between our probe and the rendezvous
+    return _run_once(fn, world_size, args, tp, pp, timeout)
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _run_once(fn, world_size: int, args: tuple, tp: int, pp: int, timeout: float) -> list:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -64,6 +77,8 @@ def run_on_ranks(fn, world_size: int, *args, tp: int = 1, pp: int = 1, timeout: 
                                        f"within {timeout:.0f} s") from None
                 continue
             if not ok:
+                if "Address already in use" in payload or "EADDRINUSE" in payload:
+                    raise _PortTaken(payload)
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             values[rank] = pickle.loads(payload)
     finally:
