@@ -188,3 +188,24 @@ def test_launch_tee_writes_per_rank_logs(tmp_path):
     assert result.returncode == 0
     assert "[rank0] hello from 0" in result.stdout and "[rank1] hello from 1" in result.stdout
     assert (tmp_path / "rank1.log").read_text() == "hello from 1\n"
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    """The launcher itself killed (-9, no chance to clean up): its ranks get SIGKILL from the kernel."""
+    proc = subprocess.Popen(_launch_bash(tmp_path, ""), env=clean_env(OUT=str(tmp_path)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for_files(tmp_path, 2)
+        ranks = [int(p.read_text()) for p in sorted(tmp_path.glob("pid_*"))]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while [p for p in ranks if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in ranks if alive(p)]
+    finally:
+        for path in tmp_path.glob("child_*"):  # the ranks' own children are not covered (documented)
+            try:
+                os.kill(int(path.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
