@@ -1,0 +1,280 @@
+"""Checkpoints through `entrypoint train`, as a user runs it: real ranks (gloo, CPU), the embedded corpus.
+
+Exactness: a run resumed from iteration 5 must log the SAME losses (bitwise, fp32 on CPU, dropout
+on so the RNG states matter) at iterations 6..10 as the uninterrupted run, for one process, TP=2,
+PP=2 and ZeRO-2 (DP=2). The uninterrupted runs are shared by every assertion (module scope).
+Export tolerance: |HF logits - our logits| <= 1e-4 absolute (fp32; observed ~3e-7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_helpers import Ranks, free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
+TP_LOGITS = Path(__file__).with_name("tp_logits.py")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+       "--max-position-embeddings", "32"]
+LAYOUTS = {  # name: (ranks, flags)
+    "single": (1, []),
+    "tp2": (2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "100"]),  # 4096 -> 4200
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "zero2": (2, ["--zero-stage", "2"]),
+}
+
+
+def train_argv(corpus, ranks: int, flags: list[str], *, iters: int = 10, model=GPT) -> list[str]:
+    argv = [ENTRYPOINT, "train", *model, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
+            "--merge-file", corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
+            "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--seed", "7",
+            "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--metrics-file", "metrics.jsonl",
+            *flags]
+    return argv + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
+
+
+def env() -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return dict(clean, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+
+
+def train(cwd: Path, argv: list[str], fail: bool = False) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
+    assert (result.returncode != 0) if fail else (result.returncode == 0), f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def metrics(cwd: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """({iteration: lm_loss}, {iteration: val_loss}) of a run directory."""
+    train_losses, val_losses = {}, {}
+    for line in (cwd / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "lm_loss" in record:
+            train_losses[record["iteration"]] = record["lm_loss"]
+        if "val_loss" in record:
+            val_losses[record["iteration"]] = record["val_loss"]
+    return train_losses, val_losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_corpus):
+    """Uninterrupted 10-iteration runs per layout, saving at iterations 5 and 10."""
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            ranks, flags = LAYOUTS[name]
+            cwd = tmp_path_factory.mktemp(f"ref-{name}")
+            train(cwd, train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--save-interval", "5"]))
+            cache[name] = cwd
+        return cache[name]
+
+    return get
+
+
+def copy_checkpoint(src: Path, tag: str, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    shutil.copytree(src / tag, dest / tag)
+    (dest / "latest").write_text(tag)
+    return dest
+
+
+def assert_continues_reference(run: Path, ref: Path, first: int) -> None:
+    (got, got_val), (want, want_val) = metrics(run), metrics(ref)
+    assert sorted(got) == list(range(first, 11))
+    assert got == {i: want[i] for i in range(first, 11)}  # bitwise
+    assert got_val == {i: v for i, v in want_val.items() if i >= first}
+
+
+@pytest.mark.parametrize("name", ["single", "pp2"])
+def test_resume_from_iteration_5_is_bitwise_exact(name, reference, demo_corpus, tmp_path):
+    ref = reference(name)
+    ranks, flags = LAYOUTS[name]
+    assert (ref / "ckpt" / "latest").read_text() == "iter_0000010"
+    assert (ref / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"
+    saved = json.loads((ref / "ckpt" / "iter_0000005" / "mds_checkpoint.json").read_text())
+    assert (saved["iteration"], saved["consumed_train_samples"], saved["consumed_valid_samples"]) == (5, 20, 4)
+    copy_checkpoint(ref / "ckpt", "iter_0000005", tmp_path / "ckpt")
+    extra = ["--keep-last-n-checkpoints", "2", "--save-interval", "2"] if name == "single" else []
+    result = train(tmp_path, train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt", "--save", "ckpt", *extra]))
+    assert "resuming from iteration 5 (20 samples)" in result.stdout + result.stderr
+    assert_continues_reference(tmp_path, ref, 6)
+    if name == "single":  # saved 6, 8, 10; kept the last two, and the one `latest` names
+        assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000008", "iter_0000010"]
+        assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000010"
+
+
+def _rank_pids(supervisor: subprocess.Popen, ranks: int, timeout: float = 120) -> dict[int, int]:
+    """{rank: pid} of the ranks `entrypoint train --nproc-per-node` spawned."""
+    found: dict[int, int] = {}
+
+    def scan() -> bool:
+        try:
+            children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+        except OSError:
+            return False
+        for pid in map(int, children):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = pid
+        return len(found) == ranks
+
+    wait_for(scan, timeout, "the ranks to start")
+    return found
+
+
+@pytest.mark.parametrize("name,target", [("tp2", "one-rank"), ("zero2", "all-ranks")])
+def test_sigterm_saves_at_one_iteration_exits_0_and_resumes_exactly(name, target, reference, demo_corpus, tmp_path):
+    """SIGTERM to rank 1 only (the others learn it through the per-step all_reduce), or to every rank
+    (as srun signals each task). The ranks are frozen (SIGSTOP) while the signal is sent, so the stop
+    lands mid-run however fast the steps are."""
+    ref = reference(name)
+    ranks, flags = LAYOUTS[name]
+    cwd = tmp_path / "stopped"
+    cwd.mkdir()
+    log = open(cwd / "log.txt", "w")
+    supervisor = subprocess.Popen(train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--exit-signal-handler"]),
+                                  cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        pids = _rank_pids(supervisor, ranks)
+        wait_for(lambda: (cwd / "metrics.jsonl").exists() and "lm_loss" in (cwd / "metrics.jsonl").read_text(),
+                 180, "iteration 1")
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        seen = max(metrics(cwd)[0])
+        for rank in [1] if target == "one-rank" else sorted(pids):
+            os.kill(pids[rank], signal.SIGTERM)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGCONT)
+        assert supervisor.wait(120) == 0, (cwd / "log.txt").read_text()[-5000:]
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+        log.close()
+    output = (cwd / "log.txt").read_text()
+    stopped_at = max(metrics(cwd)[0])
+    assert seen <= stopped_at <= seen + 2 < 10, output[-3000:]
+    assert "stopping: received SIGTERM" in output
+    assert (cwd / "ckpt" / "latest").read_text() == f"iter_{stopped_at:07d}"
+    saved = json.loads((cwd / "ckpt" / f"iter_{stopped_at:07d}" / "mds_checkpoint.json").read_text())
+    assert saved["consumed_train_samples"] == 4 * stopped_at
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(cwd / "ckpt", resumed / "ckpt")
+    train(resumed, train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt"]))
+    assert_continues_reference(resumed, ref, stopped_at + 1)
+
+
+def test_mismatched_layout_is_named(reference, demo_corpus, tmp_path):
+    ref = reference("tp2")
+    result = train(tmp_path, train_argv(demo_corpus, 1, ["--load", str(ref / "ckpt")]), fail=True)
+    assert "--tensor-model-parallel-size: checkpoint 2, this run 1" in result.stderr
+    assert "--make-vocab-size-divisible-by: checkpoint 100, this run 128" in result.stderr
+
+
+def test_finetune_loads_weights_only_into_another_layout(reference, demo_corpus, tmp_path):
+    ref = reference("zero2")
+    result = train(tmp_path, train_argv(demo_corpus, 1, ["--load", str(ref / "ckpt"), "--finetune"], iters=2))
+    assert "--finetune: loaded weights of iteration 10" in result.stdout + result.stderr
+    losses, _ = metrics(tmp_path)
+    assert sorted(losses) == [1, 2]
+    assert losses[1] < metrics(ref)[0][1] - 0.2  # starts from the trained weights, not from scratch
+
+
+def _our_logits(checkpoint_dir: Path, tokens: torch.Tensor, cwd: Path, tp: int) -> torch.Tensor:
+    torch.save(tokens, cwd / "tokens.pt")
+    ranks = Ranks([sys.executable, str(TP_LOGITS), str(checkpoint_dir), str(cwd / "tokens.pt"), str(cwd / "ours.pt")],
+                  tp, cwd, "logits")
+    assert ranks.wait(120) == [0] * tp, ranks.output()
+    return torch.load(cwd / "ours.pt")
+
+
+def _hf_logits(directory: Path, tokens: torch.Tensor, cls_name: str) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+    assert type(model).__name__ == cls_name
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _convert(load: Path, output: Path) -> None:
+    result = subprocess.run([ENTRYPOINT, "convert", "--to", "hf", "--load", str(load), "--output", str(output)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_export_gpt2_style_tp2_matches_our_logits(reference, tmp_path):
+    ref = reference("tp2")
+    _convert(ref / "ckpt", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == 4096  # 4200 padded rows trimmed
+    tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    ours = _our_logits(ref / "ckpt" / "iter_0000010", tokens, tmp_path, tp=2)
+    assert ours.shape == (2, 32, 4200)
+    theirs = _hf_logits(tmp_path / "hf", tokens, "GPT2LMHeadModel")
+    torch.testing.assert_close(theirs, ours[..., :4096], atol=1e-4, rtol=0)
+
+
+def test_export_merges_pipeline_stages(reference, tmp_path):
+    """The PP=2 run's own validation loss at iteration 10 (computed by DeepSpeed's pipeline engine on
+    validation samples 4..7) is reproduced by the exported model on the same samples."""
+    from argparse import Namespace
+
+    from megatron_ds.training.data import build_datasets
+
+    ref = reference("pp2")
+    _convert(ref / "ckpt", tmp_path / "hf")
+    saved = json.loads((ref / "ckpt" / "iter_0000010" / "mds_checkpoint.json").read_text())
+    assert saved["consumed_valid_samples"] == 8  # evaluated samples 0..3 at iteration 5, 4..7 at 10
+    _, valid, _ = build_datasets(Namespace(**saved["args"]))
+    samples = torch.stack([torch.from_numpy(valid[i].astype("int64")) for i in range(4, 8)])
+    logits = _hf_logits(tmp_path / "hf", samples[:, :-1], "GPT2LMHeadModel")
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), samples[:, 1:].reshape(-1))
+    val_loss = metrics(ref)[1][10]
+    assert abs(loss.item() - val_loss) <= 1e-5 * val_loss, (loss.item(), val_loss)
+
+
+def test_export_llama_style_tp2_matches_our_logits(demo_corpus, tmp_path):
+    train(tmp_path, train_argv(demo_corpus, 2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
+                                                "100", "--save", "ckpt", "--eval-iters", "0"],
+                               iters=2, model=["--preset", "LLAMA_TINY"]))
+    _convert(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_key_value_heads"], config["num_attention_heads"], config["tie_word_embeddings"]) == (2, 4, False)
+    tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(2))
+    ours = _our_logits(tmp_path / "ckpt" / "iter_0000002", tokens, tmp_path, tp=2)
+    theirs = _hf_logits(tmp_path / "hf", tokens, "LlamaForCausalLM")
+    torch.testing.assert_close(theirs, ours[..., :4096], atol=1e-4, rtol=0)
+
+
+def test_export_refuses_what_hf_cannot_represent(reference, tmp_path):
+    from megatron_ds.checkpoint import hf
+    from megatron_ds.checkpoint.metadata import CheckpointError
+
+    args = json.loads((reference("single") / "ckpt" / "iter_0000010" / "mds_checkpoint.json").read_text())["args"]
+    with pytest.raises(CheckpointError, match="LlamaForCausalLM, which cannot represent: LayerNorm"):
+        hf.export({}, dict(args, position_embedding_type="rope", swiglu=True), str(tmp_path / "x"))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel, which cannot represent: RMSNorm"):
+        hf.export({}, dict(args, normalization="RMSNorm"), str(tmp_path / "x"))
