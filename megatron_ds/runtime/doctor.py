@@ -10,6 +10,7 @@ import runs alongside ours and a hang there cannot hang the doctor.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
 import os
@@ -240,6 +241,17 @@ def _platform_checks(torch_ok: bool) -> tuple[list[Check], list[dict]]:
     return checks, gpus
 
 
+def _plugins_on_disk(env) -> list[str]:
+    """NCCL/RCCL network plugins present in LD_LIBRARY_PATH or the standard library directories."""
+    dirs = [d for d in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
+    dirs += ["/usr/lib64", "/usr/lib", "/usr/local/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"]
+    found = []
+    for directory in dict.fromkeys(dirs):
+        for pattern in ("libnccl-net*.so*", "librccl-net*.so*"):
+            found += sorted(glob.glob(os.path.join(directory, pattern)))
+    return found
+
+
 def _network(env) -> tuple[Check, list[dict]]:
     try:
         profile, why = profiles.choose(None, env)
@@ -316,7 +328,7 @@ def run_checks(flavour: str | None) -> dict:
         checks.append(Check("gpus", False, detail="a GPU cannot be queried", required=True))
     failures = [c.name for c in checks if (c.required and c.ok is not True) or c.ok is False]
     return {"flavour": flavour, "checks": [asdict(c) | {"state": c.state} for c in checks], "gpus": gpus,
-            "network_plugins": libraries, "patch_manifest": manifest, "failures": failures,
+            "network_plugins": libraries, "network_plugins_on_disk": _plugins_on_disk(os.environ), "patch_manifest": manifest, "failures": failures,
             "seconds": round(time.monotonic() - start, 2)}
 
 
@@ -331,6 +343,7 @@ def _text(report: dict) -> str:
                      + (f", {gpu['arch']}" if gpu.get("arch") else "")))
     for lib in report["network_plugins"]:
         lines.append(f"   network plugin {lib['role']}: {lib['loaded'] or 'MISSING (' + '; '.join(lib['errors'])[:200] + ')'}")
+    lines.append("   network plugins on disk: " + (", ".join(report["network_plugins_on_disk"]) or "none"))
     lines.append("   (* = required by the flavour)")
     lines.append("FAILED: " + ", ".join(report["failures"]) if report["failures"] else "all checks passed")
     return "\n".join(lines)

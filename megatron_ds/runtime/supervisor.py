@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +62,14 @@ class _Output:
     def __init__(self, spec: RankSpec, pipe, label: bool, tee_dir: str | None):
         self.prefix = f"[rank{spec.rank}] ".encode() if label else b""
         self.file = open(Path(tee_dir) / f"rank{spec.rank}.log", "wb") if tee_dir else None
+        self.tail: deque[bytes] = deque(maxlen=20)  # shown with the root cause when this rank fails
         self.thread = threading.Thread(target=self._pump, args=(pipe,), daemon=True)
         self.thread.start()
 
     def _pump(self, pipe) -> None:
         out = sys.stdout.buffer
         for line in iter(pipe.readline, b""):
+            self.tail.append(line)
             with self.lock:
                 out.write(self.prefix + line)
                 out.flush()
@@ -165,8 +168,14 @@ class Supervisor:
         how = f"killed by signal {code - 128} (exit {code})" if code > 128 else f"exited with code {code}"
         after = f" after the launcher received signal {self.received[0]}" if self.received else ""
         others = len([p for p in self.procs if p.poll() is None])
-        _log(f"root cause: rank {spec.rank} (local rank {spec.local_rank}, pid {self.procs[self.specs.index(spec)].pid}) "
+        index = self.specs.index(spec)
+        _log(f"root cause: rank {spec.rank} (local rank {spec.local_rank}, pid {self.procs[index].pid}) "
              f"{how}{after}; stopping {others} other rank(s)")
+        if self.outputs:  # its last lines, once its pipe has drained
+            self.outputs[index].thread.join(timeout=2)
+            tail = b"".join(self.outputs[index].tail).decode(errors="replace").rstrip()
+            if tail:
+                _log(f"last output of rank {spec.rank}:\n" + tail)
 
 
 def supervise(specs: list[RankSpec], *, grace: float = 5.0, label: bool = False, tee_dir: str | None = None) -> int:
