@@ -145,7 +145,8 @@ class _IndexCache:
                     with open(self.base + ".json", "w") as f:
                         json.dump(self.description, f, indent=1, sort_keys=True)
                     self.built = True
-        return {n: np.load(p, mmap_mode="r") for n, p in self.paths.items()}
+        # Plain ndarray views of the maps: np.memmap's subclass hooks cost more than the reads themselves.
+        return {n: np.load(p, mmap_mode="r").view(np.ndarray) for n, p in self.paths.items()}
 
     def get(self, build) -> dict[str, np.ndarray]:
         dist = _distributed()

@@ -163,6 +163,22 @@ class IndexedDataset:
                 raise IndexedDatasetError(f"{idx_file}: doc_idx is not nondecreasing near entry {lo}")
 
 
+def write_index(path: str, sizes, dtype, doc_idx=None) -> None:
+    """Write an .idx for sequences of ``sizes`` tokens stored back to back (pointers follow from sizes);
+    ``doc_idx`` defaults to one document per sequence."""
+    sizes = np.asarray(sizes, dtype=np.int32)
+    dtype = np.dtype(dtype)
+    doc_idx = np.arange(len(sizes) + 1, dtype=np.int64) if doc_idx is None else np.asarray(doc_idx, np.int64)
+    pointers = np.zeros(len(sizes), np.int64)
+    if len(sizes) > 1:
+        np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    with open(path, "wb") as f:
+        f.write(HEADER.pack(MAGIC, VERSION, CODES[dtype], len(sizes), len(doc_idx)))
+        f.write(sizes.astype("<i4").tobytes())
+        f.write(pointers.astype("<i8").tobytes())
+        f.write(doc_idx.astype("<i8").tobytes())
+
+
 class IndexedDatasetWriter:
     """Streams sequences to ``<prefix>.bin`` and writes ``<prefix>.idx`` at ``finalize()``.
 
@@ -217,14 +233,7 @@ class IndexedDatasetWriter:
         doc_idx = np.frombuffer(self._doc_idx, np.int64)
         if doc_idx[-1] != len(sizes):  # sequences added after the last end_document() close a document
             doc_idx = np.append(doc_idx, len(sizes))
-        pointers = np.zeros(len(sizes), np.int64)
-        if len(sizes) > 1:
-            np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        with open(self._tmp_idx, "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, CODES[self.dtype], len(sizes), len(doc_idx)))
-            f.write(sizes.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(doc_idx.astype("<i8").tobytes())
+        write_index(self._tmp_idx, sizes, self.dtype, doc_idx)
         for path in (self._tmp_bin, self._tmp_idx):
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())

@@ -124,6 +124,7 @@ _worker: _Encoder | None = None
 
 def _init_worker(spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler: Pool.terminate() must kill us
     global _worker
     _worker = _Encoder(spec, keys, append_eod)
 
