@@ -209,3 +209,11 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
                 os.kill(int(path.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_root_cause_shows_the_failed_ranks_last_output(tmp_path):
+    script = 'echo "working $RANK"; if [ "$RANK" = 1 ]; then echo "Traceback: boom" >&2; exit 4; fi; sleep 30'
+    result = _run([ENTRYPOINT, "launch", "--nproc-per-node", "2", "--label", "--", "bash", "-c", script], timeout=60)
+    assert result.returncode == 4
+    cause = result.stderr[result.stderr.index("root cause"):]
+    assert "rank 1" in cause and "last output of rank 1:\nworking 1\nTraceback: boom" in cause
