@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -64,18 +65,27 @@ class Check:
     detail: str = ""
     required: bool = False
     seconds: float = 0.0
+    unverified: bool = False  # installed, but cannot be imported or exercised without a GPU here
 
     @property
     def state(self) -> str:
-        return {True: "ok", False: "BROKEN", None: "absent"}[self.ok]
+        return "unverified" if self.unverified else {True: "ok", False: "BROKEN", None: "absent"}[self.ok]
 
 
 def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
-def _module_check(name: str, module: str, exercise=None) -> Check:
-    """Import `module`, read its version, run `exercise(mod) -> detail` (raises on failure)."""
+# Import errors that only say "no GPU driver here" (an image build on a machine without GPUs).
+_NO_DRIVER = re.compile(r"libcuda|libnvidia|CUDA driver|NVIDIA driver|no CUDA-capable|libamdhip|libhsa|/dev/kfd", re.I)
+
+
+def _module_check(name: str, module: str, exercise=None, gpu_only: bool = False) -> Check:
+    """Import `module`, read its version, run `exercise(mod) -> detail` (raises on failure).
+
+    An installed package that fails to import is broken, not absent, except that a GPU-only package
+    whose import needs the GPU driver is reported unverified (not broken) on a machine without one.
+    """
     start = time.monotonic()
     try:
         mod = importlib.import_module(module)
@@ -83,7 +93,10 @@ def _module_check(name: str, module: str, exercise=None) -> Check:
         if err.name and module.split(".")[0] == err.name.split(".")[0]:
             return Check(name, None, detail="not installed", seconds=time.monotonic() - start)
         return Check(name, False, detail=_error(err), seconds=time.monotonic() - start)
-    except Exception as err:  # an installed package that fails to import is broken, not absent
+    except Exception as err:
+        if gpu_only and _NO_DRIVER.search(str(err)) and not _has_gpu():
+            return Check(name, None, _dist_version(module), f"its import needs a GPU driver ({_error(err)})",
+                         seconds=time.monotonic() - start, unverified=True)
         return Check(name, False, detail=_error(err), seconds=time.monotonic() - start)
     version = str(getattr(mod, "__version__", "") or _dist_version(module) or "?")
     try:
@@ -103,6 +116,13 @@ def _dist_version(module: str) -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def _has_gpu() -> bool:
+    try:
+        return _gpu_device() is not None
+    except Exception:
+        return False
 
 
 def _gpu_device():
@@ -301,11 +321,10 @@ def run_checks(flavour: str | None) -> dict:
         import torch
 
         flavour = "rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu")
-    for name, module, exercise in (("tokenizers", "tokenizers", _tokenizers), ("transformer_engine", "transformer_engine", _te),
-                                   ("flash_attn", "flash_attn", _flash), ("apex", "apex", _apex),
-                                   ("msamp", "msamp", _msamp), ("triton", "triton", _triton),
-                                   ("megatron_ds", "megatron_ds", _megatron_ds)):
-        checks.append(_module_check(name, module, exercise))
+    for name, exercise, gpu_only in (("tokenizers", _tokenizers, False), ("transformer_engine", _te, True),
+                                     ("flash_attn", _flash, True), ("apex", _apex, True), ("msamp", _msamp, True),
+                                     ("triton", _triton, False), ("megatron_ds", _megatron_ds, False)):
+        checks.append(_module_check(name, name, exercise, gpu_only))
     ds_start = time.monotonic()
     try:
         out, err = ds_proc.communicate(timeout=DEEPSPEED_TIMEOUT_S)
@@ -336,7 +355,7 @@ def _text(report: dict) -> str:
     lines = [f"mds doctor (flavour {report['flavour']}, {report['seconds']} s)"]
     for c in report["checks"]:
         mark = "*" if c["required"] else " "
-        lines.append(f" {mark} {c['name']:<19} {c['state']:<7} {c['version'] or '':<22} {c['detail']}")
+        lines.append(f" {mark} {c['name']:<19} {c['state']:<10} {c['version'] or '':<22} {c['detail']}")
     for gpu in report["gpus"]:
         lines.append(f"   gpu {gpu.get('index')}: " + (gpu.get("error") or
                      f"{gpu['name']}, {gpu['memory_gib']} GiB, capability {gpu['capability']}"

@@ -88,7 +88,17 @@ def test_doctor_strict_fails_on_the_wrong_platform_and_a_broken_manifest(tmp_pat
     flavour, missing = ("rocm", {"rocm", "rccl"}) if build == "cuda" else ("cuda", {"cuda", "nccl"})
     manifest = tmp_path / "manifest.json"
     manifest.write_text("{not json")
-    result, report, _ = _doctor("--strict", "--flavour", flavour, MDS_PATCH_MANIFEST=str(manifest))
+    # Stand-ins for installed GPU packages: one broken (bad symbol), one that needs a GPU driver to import.
+    fakes = tmp_path / "site"
+    fakes.mkdir()
+    (fakes / "apex.py").write_text('raise ImportError("apex_C.so: undefined symbol: _ZN3c10")\n')
+    (fakes / "flash_attn.py").write_text('raise OSError("libcuda.so.1: cannot open shared object file")\n')
+    result, report, _ = _doctor("--strict", "--flavour", flavour, MDS_PATCH_MANIFEST=str(manifest),
+                                PYTHONPATH=str(fakes))
     assert result.returncode == 1
-    assert missing | {"patch-manifest"} <= set(report["failures"])
+    assert missing | {"patch-manifest", "apex"} <= set(report["failures"])
     assert not {"torch", "deepspeed", "tokenizers"} & set(report["failures"])
+    checks = {c["name"]: c for c in report["checks"]}
+    if not report["gpus"]:
+        assert checks["flash_attn"]["state"] == "unverified" and "flash_attn" not in report["failures"]
+    assert checks["apex"]["state"] == "BROKEN" and "undefined symbol" in checks["apex"]["detail"]
