@@ -248,7 +248,14 @@ def preprocess(input: str, output_prefix: str, spec: TokenizerSpec, *, json_keys
         with contextlib.ExitStack() as stack:
             writers = {k: stack.enter_context(IndexedDatasetWriter(p, dtype)) for k, p in outputs.items()}
             lines, raw = stack.enter_context(_open_input(input))
-            tasks = _read_chunks(lines, chunk_bytes)
+            positions: deque[int] = deque()  # file position after each chunk read, for the progress bar
+
+            def read_tasks():
+                for task in _read_chunks(lines, chunk_bytes):
+                    positions.append(raw.tell())
+                    yield task
+
+            tasks = read_tasks()
             if workers == 1:
                 encoder = _Encoder(spec, keys, append_eod)
                 chunks = map(encoder.encode, tasks)
@@ -274,7 +281,7 @@ def preprocess(input: str, output_prefix: str, spec: TokenizerSpec, *, json_keys
                     result.tokens[k] += int(chunk.tokens[k].size)
                 result.documents += chunk.documents
                 result.text_bytes += chunk.text_bytes
-                bar.update(raw.tell(), result.documents, result.text_bytes, result.tokens[keys[0]])
+                bar.update(positions.popleft(), result.documents, result.text_bytes, result.tokens[keys[0]])
             # Leaving the stack finalizes the writers (renames to the final names) on success only.
         result.seconds = time.monotonic() - start
     return result

@@ -174,3 +174,49 @@ def test_interrupt_leaves_no_output_pair(tmp_path, gpt2_files, sig):
         assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]  # temporaries removed too
     else:
         assert proc.returncode == -signal.SIGKILL
+
+
+def test_null_and_hf_tokenizers_and_int32_for_large_vocab(tmp_path, hf_tokenizer_json):
+    src = write_jsonl(tmp_path / "ids.jsonl", ["1 2 3", "70000 5"])
+    assert main(["--input", src, "--output-prefix", str(tmp_path / "null"), "--tokenizer-type", "NullTokenizer",
+                 "--vocab-size", "80000", "--append-eod", "--no-progress"]) == 0
+    ds = IndexedDataset(str(tmp_path / "null_text_document"))
+    assert ds.dtype is np.int32 and ds[1].tolist() == [70000, 5, 80000]  # vocab >= 65500: int32; EOD = vocab size
+    src = write_jsonl(tmp_path / "hf.jsonl", ["The quick brown fox", "Megatron trains"])
+    assert main(["--input", src, "--output-prefix", str(tmp_path / "hf"), "--tokenizer-type", "HFTokenizer",
+                 "--tokenizer-model", hf_tokenizer_json, "--append-eod", "--no-progress"]) == 0
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(hf_tokenizer_json)
+    ds = IndexedDataset(str(tmp_path / "hf_text_document"))
+    assert ds.dtype is np.uint16 and ds[0].tolist() == ref.encode("The quick brown fox").ids + [ref.token_to_id("</s>")]
+
+
+def test_progress_bar_on_a_terminal(tmp_path, gpt2_files):
+    """On a TTY the tqdm bar shows bytes, documents, MB/s and tokens/s."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS * 40)
+    cmd = [sys.executable, "-m", "entrypoint", "preprocess", "--input", src, "--output-prefix", str(tmp_path / "o"),
+           *gpt2_flags(gpt2_files)]
+    parent, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a 160-column terminal
+    proc = subprocess.Popen(cmd, stdin=child, stdout=child, stderr=child)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            data = os.read(parent, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=60)
+    os.close(parent)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, screen
+    assert "preprocess: 100%" in screen and "docs=" in screen and "MB/s" in screen and "tok/s=" in screen
