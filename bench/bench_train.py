@@ -37,16 +37,15 @@ def synthetic_dataset(prefix: Path, num_tokens: int, vocab: int = GPT2_VOCAB, se
     """Uniform random documents (lengths 256..4096, each ended by EOD = vocab) as an indexed dataset.
 
     Random tokens cost the model exactly what real text does; this keeps the benchmark free of downloads.
-    Reused when it already holds at least `num_tokens`.
+    Reused when it already holds at least `num_tokens` (callers put the size in the prefix, so the sample
+    index caches next to it never outlive their data).
     """
     import numpy as np
 
     from megatron_ds.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, exists
 
-    if exists(str(prefix)):
-        ds = IndexedDataset(str(prefix))
-        if int(ds.sizes.sum()) >= num_tokens:
-            return prefix
+    if exists(str(prefix)) and int(IndexedDataset(str(prefix)).sizes.sum()) >= num_tokens:
+        return prefix
     rng = np.random.default_rng(seed)
     lengths = []
     total = 0
@@ -143,7 +142,8 @@ def run_ours(args, flags: list[str]) -> dict:
         shape = resolved_shape(flags)
         ranks = args.dp_hint or 1
         need = (args.steps + 2) * shape["micro_batch_size"] * ranks * 8 * (shape["seq_length"] + 1)
-        data = synthetic_dataset(args.work_dir / "synthetic_gpt2vocab", max(need, 16_000_000))
+        millions = 1 << max(0, (need - 1) // 1_000_000).bit_length()  # 1, 2, 4, ... M tokens: one file per size
+        data = synthetic_dataset(args.work_dir / f"synthetic_gpt2vocab_{millions}M", millions * 1_000_000)
     cmd = train_command(flags, steps=args.steps, metrics_file=metrics, data_prefix=data)
     t0 = time.time()
     code, tail = run_logged(cmd, work / "train.log", args.timeout)

@@ -56,10 +56,34 @@ stage_longseq() {  # the longest sequence GPT-1.3B trains at on one GPU with act
   done
 }
 
+stage_scaling() {  # GPT-1.3B: data parallel 1/2/4 GPUs (per-GPU tokens/s), TP=2, TP=2+SP, PP=2 on one host
+  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_dp1 -- $M --nproc-per-node 1
+  t 150 $B $S --dp-hint 2 --name gpt1_3b_s2048_mbs16_z1_dp2 -- $M --nproc-per-node 2
+  t 150 $B $S --dp-hint 4 --name gpt1_3b_s2048_mbs16_z1_dp4 -- $M --nproc-per-node 4
+  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_tp2 -- $M --nproc-per-node 2 --tensor-model-parallel-size 2
+  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_tp2_sp -- $M --nproc-per-node 2 --tensor-model-parallel-size 2 \
+    --sequence-parallel
+  t 150 $B $S --name gpt1_3b_s2048_mbs8_gbs64_z1_pp2 -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
+    --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
+}
+
+stage_big() {  # GPT-13B on 4 GPUs with ZeRO-3 and activation checkpointing
+  t 330 $B --steps 8 --warmup-steps 3 --dp-hint 4 --name gpt13b_s2048_mbs8_z3_ckpt_dp4 -- --preset GPT13B --bf16 \
+    --micro-batch-size 8 --zero-stage 3 --checkpoint-activations --nproc-per-node 4
+}
+
+stage_gputests() {  # pytest -m gpu: layouts reproduce the single-GPU bf16 curve; fp16 loss scaling trains
+  MDS_GPU_REPORT="$LOGS/gpu_tests.json" t 400 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider
+}
+
+collect() {  # after every stage, so that a call cut off later still returns what finished
+  python3 bench/report.py
+  tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
+}
+
 for stage in "$@"; do
   "stage_$stage" 2>&1 | tee "$LOGS/stage_$stage.log"
+  collect
 done
-python3 bench/report.py
-tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
-cp bench/RESULTS.md "$OUT/" 2>/dev/null
 echo "done: $(ls "$OUT")"

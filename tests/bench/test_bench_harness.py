@@ -1,0 +1,79 @@
+"""The benchmark harness end to end on CPU: a tiny `entrypoint train` run and the HF baseline, recorded.
+
+Plumbing only (numbers on CPU mean nothing): the record must carry the command, provenance and the
+medians taken after the warm-up steps, the baseline must run on the same shape, and RESULTS.md must
+show both rows. Also: the baseline counts FLOPs exactly as the model does.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_flops_formula_matches_model_config():
+    from bench.common import megatron_flops_per_token
+    from megatron_ds.model.config import GPTConfig
+
+    config = GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50304, seq_length=2048,
+                       max_position_embeddings=2048)
+    assert megatron_flops_per_token(24, 2048, 2048, 50304) == pytest.approx(config.flops_per_token(), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_harness_runs_train_and_baseline_and_records(tmp_path):
+    results, results_md = tmp_path / "results", tmp_path / "RESULTS.md"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--name", "cpu_tiny", "--steps", "3",
+           "--warmup-steps", "1", "--results-dir", str(results), "--work-dir", str(tmp_path / "work"),
+           "--baseline", "--baseline-dtype", "fp32", "--no-report", "--",
+           "--preset", "TINY", "--micro-batch-size", "2"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "[bench] ours/baseline tokens/s =" in run.stdout
+
+    ours = json.loads((results / "cpu_tiny.json").read_text())
+    base = json.loads((results / "cpu_tiny__hf_baseline.json").read_text())
+    assert ours["status"] == base["status"] == "ok"
+    assert ours["command"][1:4] == ["-m", "entrypoint", "train"] and "--metrics-file" in ours["command"]
+    for rec in (ours, base):
+        env = rec["environment"]
+        assert {"date", "git_commit", "gpu", "torch", "deepspeed"} <= set(env)
+        assert env["gpu"] == "cpu" and env["torch"]
+    assert [s["iteration"] for s in ours["steps"]] == [1, 2, 3]
+    later = [s["tokens_per_s"] for s in ours["steps"] if s["iteration"] > 1]
+    assert ours["summary"]["tokens_per_s"] == pytest.approx(statistics.median(later))
+    assert ours["summary"]["steps_measured"] == 2 and ours["summary"]["mem_gib"] > 0
+    assert ours["config"] == {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+                              "micro_batch_size": 2, "zero_stage": 0, "nproc_per_node": None,
+                              "checkpoint_activations": False, "tensor_model_parallel_size": 1,
+                              "pipeline_model_parallel_size": 1}
+    bc = base["config"]
+    assert (bc["num_layers"], bc["hidden_size"], bc["num_attention_heads"], bc["seq_length"],
+            bc["micro_batch_size"]) == (2, 64, 4, 64, 2)
+    ratio = ours["vs_baseline"]["tokens_per_s_ratio"]
+    assert ratio == pytest.approx(ours["summary"]["tokens_per_s"] / base["summary"]["tokens_per_s"])
+
+    from bench.report import write_report
+
+    write_report(results, results_md)
+    text = results_md.read_text()
+    assert "| cpu_tiny | ok |" in text and "| cpu_tiny__hf_baseline | ok |" in text and f"{ratio:.2f}x" in text
+
+
+def test_failed_run_is_recorded_not_lost(tmp_path):
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--name", "bad", "--steps", "2",
+           "--warmup-steps", "1", "--results-dir", str(results), "--work-dir", str(tmp_path / "work"), "--no-report",
+           "--", "--preset", "TINY", "--micro-batch-size", "2", "--hidden-size", "65"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    rec = json.loads((results / "bad.json").read_text())
+    assert rec["status"] == "failed" and rec["exit_code"] == 2 and rec["summary"] is None
+    assert "--hidden-size" in rec["log_tail"]

@@ -1,0 +1,122 @@
+"""GPU equivalence: every parallel layout reproduces the single-GPU bf16 loss curve (run with `pytest -m gpu`).
+
+Real `entrypoint train` processes on NCCL, bf16, dropout off, fixed seeds, the embedded demo corpus. Each
+layout sees the same global batch and builds the same weights (seeded per parameter on the full matrix),
+so only the order and precision of reductions differ. bf16 tolerance: every iteration within
+REL = 2e-2 relative of the single-GPU curve, and the mean relative difference within MEAN_REL = 5e-3
+(bf16 has an 8-bit mantissa: one rounding is 4e-3 relative; the curve itself falls by > 10% over the run,
+so a wrong layout cannot hide inside the tolerance). fp16 with dynamic loss scaling must train too.
+Observed differences are written to $MDS_GPU_REPORT (JSON) when set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+ITERS = 10
+REL, MEAN_REL = 2e-2, 5e-3
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MODEL_SIZE_KEY", "SEQ_LEN",
+               "MICRO_BATCH", "GAS", "ZERO_STAGE", "PPSIZE", "MPSIZE", "USE_FLASH_ATTN_V2", "SP_TYPE")
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+         "--max-position-embeddings", "256"]
+REPORT: dict[str, dict] = {}
+
+
+def gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs(n: int):
+    return pytest.mark.skipif(gpus() < n, reason=f"needs {n} CUDA GPUs, found {gpus()}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_report():
+    yield
+    path = os.environ.get("MDS_GPU_REPORT")
+    if path and REPORT:
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=2)
+
+
+def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int = 1) -> list[dict]:
+    out = tmp_path_factory.mktemp(name)
+    metrics = out / "metrics.jsonl"
+    argv = [sys.executable, "-m", "entrypoint", "train", *MODEL, "--data-path", corpus.prefix,
+            "--vocab-file", corpus.vocab_file, "--merge-file", corpus.merge_file, "--tokenizer-type",
+            "GPT2BPETokenizer", "--split", "98,2,0", "--micro-batch-size", "4", "--global-batch-size", "8",
+            "--train-iters", str(ITERS), "--lr", "1e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
+            "--log-interval", "1", "--eval-iters", "0", "--metrics-file", str(metrics),
+            "--nproc-per-node", str(nproc), *extra]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    result = subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == list(range(1, ITERS + 1)), result.stdout[-2000:]
+    REPORT.setdefault(name, {})["lm_loss"] = [r["lm_loss"] for r in train]
+    REPORT[name]["stdout_head"] = "\n".join(line for line in result.stdout.splitlines() if "mds train:" in line)
+    return train
+
+
+def compare(name: str, run: list[dict], reference: list[dict]) -> None:
+    got = [r["lm_loss"] for r in run]
+    want = [r["lm_loss"] for r in reference]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got, want)]
+    REPORT[name].update(max_rel=max(rel), mean_rel=sum(rel) / len(rel))
+    assert max(rel) <= REL, f"{name}: max relative difference {max(rel):.2e} > {REL}\n{got}\n{want}"
+    assert sum(rel) / len(rel) <= MEAN_REL, f"{name}: mean relative difference {sum(rel) / len(rel):.2e}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_corpus):
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    train = run_train(tmp_path_factory, demo_corpus, "bf16_1gpu", ["--bf16"])
+    losses = [r["lm_loss"] for r in train]
+    assert losses[-1] < 0.9 * losses[0], f"the reference curve must fall by > 10% to make the test sharp: {losses}"
+    return train
+
+
+@needs(2)
+@pytest.mark.parametrize("name, extra", [
+    ("tp2", ["--tensor-model-parallel-size", "2"]),
+    ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ("zero1_dp2", ["--zero-stage", "1"]),
+    ("zero2_dp2", ["--zero-stage", "2"]),
+    ("zero3_dp2", ["--zero-stage", "3"]),
+])
+def test_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference, name, extra):
+    run = run_train(tmp_path_factory, demo_corpus, name, ["--bf16", *extra], nproc=2)
+    compare(name, run, reference)
+
+
+@needs(1)
+def test_fp16_with_dynamic_loss_scaling_trains(tmp_path_factory, demo_corpus):
+    train = run_train(tmp_path_factory, demo_corpus, "fp16_1gpu", ["--fp16", "--initial-loss-scale", "65536"])
+    scales = [r["loss_scale"] for r in train]
+    losses = [r["lm_loss"] for r in train]
+    REPORT["fp16_1gpu"]["loss_scale"] = scales
+    assert all(s is not None and s > 0 for s in scales), scales
+    assert all(loss is not None for loss in losses), losses
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+@needs(1)
+def test_metrics_on_gpu_report_mfu_and_memory(reference):
+    for r in reference:
+        assert r["mfu"] is not None and 0 < r["mfu"] < 1, r
+        assert r["mem_gib"] > 0 and r["tflops_per_gpu"] > 0
