@@ -357,6 +357,11 @@ def gpt_stage_specs(config: GPTConfig) -> list[StageSpec]:
 
     Input of the first piece: tokens [b, s]; between pieces: hidden [s, b, h] ([s/tp, b, h] under
     SP); output of the last: local logits [s, b, V/tp] for ``lm_loss(logits, labels)``.
+
+    Under sequence parallelism the activations sent between stages DIFFER per TP rank (each holds
+    its sequence shard), so DeepSpeed's pipeline must not split them over TP: set its config
+    ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}`` (both default to true and
+    assume TP-replicated activations; with them a TP=2 x PP=2 SP run computes a wrong loss).
     """
     config.validate(tp_size(state.get_state().tp_group))
     tied = "embed" if config.tied_embeddings else None
