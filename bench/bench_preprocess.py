@@ -6,7 +6,9 @@ The input is the standard library's .py sources as JSON lines (sorted paths, cyc
 the tokenizer a GPT-2-sized byte-level BPE (--vocab-size, default 50257) trained on the first 8 MB of
 them with `tokenizers`, or GPT-2's own files via --vocab-file/--merge-file. Each worker count runs the
 real CLI in a fresh process (`python -m entrypoint preprocess ... --append-eod`); MB/s is input bytes
-over the command's wall time (start-up included) and over its own tokenizing loop (as it prints).
+over the command's wall time (start-up included), over its own tokenizing loop (as it prints), and
+per CPU-second of the command and its workers (what one worker does on a core of its own: the figure
+that does not depend on other load on a shared machine).
 The outputs of all worker counts must be byte-identical. Writes bench/results/<name>.json with the
 command, machine, load average and date. Targets (issue 2): >= 5 MB/s per worker, 2 workers >= 1.6x.
 """
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -108,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
                "--append-eod", "--workers", str(workers), "--no-progress"]
         load_before = os.getloadavg()
+        cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         wall = time.perf_counter() - start
+        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command and its (reaped) workers
+        cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
         if r.returncode != 0:
             print(r.stderr, file=sys.stderr)
             return 1
@@ -119,12 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         run = {"workers": workers, "command": " ".join(cmd), "wall_s": round(wall, 3),
                "mb_per_s_wall": round(size / 1e6 / wall, 3), "mb_per_s_loop": loop,
                "mb_per_s_per_worker_wall": round(size / 1e6 / wall / workers, 3), "tokens": tokens,
-               "tokens_per_s_wall": round(tokens / wall), "loadavg_before": load_before,
+               "tokens_per_s_wall": round(tokens / wall), "cpu_s": round(cpu_s, 3),
+               "mb_per_cpu_s": round(size / 1e6 / cpu_s, 3), "loadavg_before": load_before,
                "loadavg_after": os.getloadavg()}
         runs.append(run)
         outputs[workers] = [(prefix.parent / f"{prefix.name}_text_document{ext}").read_bytes() for ext in (".bin", ".idx")]
         print(f"workers={workers}: {run['wall_s']:.2f} s, {run['mb_per_s_wall']:.2f} MB/s wall "
               f"({run['mb_per_s_loop']:.2f} MB/s in the loop), {run['tokens_per_s_wall']:,} tokens/s, "
+              f"{run['mb_per_cpu_s']:.2f} MB per CPU-second, "
               f"load {load_before[0]:.1f}")
     identical = all(o == outputs[args.workers[0]] for o in outputs.values())
     by_workers = {r["workers"]: r for r in runs}

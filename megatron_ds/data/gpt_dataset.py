@@ -152,11 +152,22 @@ class _IndexCache:
         dist = _distributed()
         if dist is None:
             return self._load_or_build(build)
-        # Rank 0 builds while the others wait; afterwards the others load (or build if the
-        # cache directory is not shared between nodes). Every rank reaches the barrier.
-        arrays = self._load_or_build(build) if dist.get_rank() == 0 else None
-        dist.barrier()
-        return arrays if arrays is not None else self._load_or_build(build)
+        # Rank 0 builds while the others wait; then it tells them whether it worked (a failure on rank 0
+        # must not leave the others waiting forever), and they load (or build, if the cache directory is
+        # not shared between nodes).
+        if dist.get_rank() == 0:
+            try:
+                arrays = self._load_or_build(build)
+            except Exception as e:
+                dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
+                raise
+            dist.broadcast_object_list([None], src=0)
+            return arrays
+        status = [None]
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None:
+            raise DataConfigError(f"rank 0 could not build the sample index {self.base}: {status[0]}")
+        return self._load_or_build(build)
 
 
 def _default_cache_dir(prefix: str) -> str:

@@ -132,6 +132,11 @@ BUILD = textwrap.dedent("""
                                 rank=int(sys.argv[5]), world_size=2)
     ds = build_gpt_datasets([sys.argv[1]], "1", 8, 1, (200000, 0, 0), cache_dir=sys.argv[2])[0]
     print("BUILT" if ds.built else "LOADED", int(ds[123].sum()))
+    if sys.argv[3] == "gloo":  # a build that fails on rank 0 fails every rank instead of hanging them
+        try:
+            build_gpt_datasets([sys.argv[1] + "_empty"], "1", 8, 1, (10, 0, 0), cache_dir=sys.argv[2])
+        except ValueError as e:
+            print("FAILED:", e)
 """)
 
 
@@ -147,6 +152,9 @@ def _free_port():
 @pytest.mark.parametrize("mode", ["lock", "gloo"])
 def test_two_processes_only_one_builds(tmp_path, mode):
     prefix, _ = numbered_corpus(tmp_path / "c", num_docs=3000)
+    with IndexedDatasetWriter(prefix + "_empty", np.int32) as w:  # documents without tokens
+        w.add_document([])
+        w.add_document([])
     cache, port = str(tmp_path / "cache"), str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", BUILD, prefix, cache, mode, port, str(rank)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
@@ -157,3 +165,5 @@ def test_two_processes_only_one_builds(tmp_path, mode):
     assert outs[0][0].split()[1] == outs[1][0].split()[1]
     if mode == "gloo":
         assert outs[0][0].startswith("BUILT")  # rank 0 is the builder
+        assert "FAILED: --data-path: the split's documents hold no tokens" in outs[0][0]
+        assert "FAILED: rank 0 could not build the sample index" in outs[1][0] and "hold no tokens" in outs[1][0]
