@@ -3,7 +3,7 @@
 Runs the command exactly as a user would (a subprocess, printed first), on CPU or the GPU if there
 is one, in a few minutes; then summarises the loss curve, the throughput and where the logs are.
 
-    python -m megatron_ds.demo [--iters 300] [--out runs/demo]
+    python -m megatron_ds.demo [--iters 300] [--minutes 4] [--out runs/demo]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _has_gpu() -> bool:
     return visible_gpus() > 0
 
 
-def build_command(corpus, out: str, iters: int, gpu: bool) -> list[str]:
+def build_command(corpus, out: str, iters: int, gpu: bool, minutes: float) -> list[str]:
     entrypoint = shutil.which("entrypoint", path=os.path.dirname(sys.executable)) or "entrypoint"
     command = [
         entrypoint, "train",
@@ -42,6 +42,8 @@ def build_command(corpus, out: str, iters: int, gpu: bool) -> list[str]:
         # logging
         "--log-interval", "10", "--eval-interval", str(max(1, iters // 3)), "--eval-iters", "4",
         "--metrics-file", os.path.join(out, "metrics.jsonl"), "--tensorboard-dir", os.path.join(out, "tensorboard"),
+        # a time budget, so a busy machine still finishes in minutes (all ranks stop at the same step)
+        "--exit-duration-in-mins", f"{minutes:g}",
     ]
     if gpu:
         command += ["--bf16", "--nproc-per-node", "1"]
@@ -79,6 +81,8 @@ def summarise(out: str, seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_ds.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=300, help="training iterations (default 300)")
+    parser.add_argument("--minutes", type=float, default=4.0,
+                        help="stop training after this many minutes even if --iters is not reached (default 4)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where metrics and TensorBoard logs go")
     parser.add_argument("--data", default=os.path.join("data", "demo"), help="where the embedded corpus is prepared")
     args = parser.parse_args(argv)
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         os.remove(os.path.join(args.out, "metrics.jsonl"))  # a fresh curve per demo run
     shutil.rmtree(os.path.join(args.out, "tensorboard"), ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
-    command = build_command(corpus, args.out, args.iters, _has_gpu())
+    command = build_command(corpus, args.out, args.iters, _has_gpu(), args.minutes)
     print("\n$ " + " ".join(shlex.quote(part) for part in command) + "\n", flush=True)
     start = time.time()
     code = subprocess.call(command)

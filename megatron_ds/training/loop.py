@@ -179,6 +179,14 @@ class Trainer:
         log_losses, log_times = [], []
         interval_start_skips = self.engine.skipped_steps
         reason = None
+
+        def log_interval_end(lr: float) -> None:  # the mean loss and step time since the last log line
+            nonlocal log_losses, log_times, interval_start_skips
+            stats = StepStats(st.iteration, st.consumed_train_samples, sum(log_losses) / len(log_losses), lr,
+                              self._grad_norm(), self._loss_scale(), sum(log_times) / len(log_times))
+            self.metrics.log_train(stats, skipped=self.engine.skipped_steps - interval_start_skips)
+            log_losses, log_times = [], []
+            interval_start_skips = self.engine.skipped_steps
         try:
             while st.iteration < args.train_iters:
                 lr = self._lr()
@@ -192,11 +200,7 @@ class Trainer:
                 log_losses.append(loss)
                 log_times.append(step_time)
                 if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
-                    stats = StepStats(st.iteration, st.consumed_train_samples, sum(log_losses) / len(log_losses), lr,
-                                      self._grad_norm(), self._loss_scale(), sum(log_times) / len(log_times))
-                    self.metrics.log_train(stats, skipped=self.engine.skipped_steps - interval_start_skips)
-                    log_losses, log_times = [], []
-                    interval_start_skips = self.engine.skipped_steps
+                    log_interval_end(lr)
                 if self.valid_ds is not None and args.eval_iters > 0 and st.iteration % args.eval_interval == 0:
                     val, used = self.evaluate(self.valid_ds, st.consumed_valid_samples)
                     st.consumed_valid_samples += used
@@ -210,6 +214,8 @@ class Trainer:
                     reason = stop.should_stop()  # collective: all ranks stop at the same iteration
                     if reason is not None:
                         break
+            if log_losses:  # stopped between two log lines: report the steps since the last one
+                log_interval_end(lr)
             if reason is None and self.valid_ds is not None and args.eval_iters > 0 and \
                     args.train_iters % args.eval_interval != 0:
                 val, used = self.evaluate(self.valid_ds, st.consumed_valid_samples)

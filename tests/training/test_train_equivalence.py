@@ -38,6 +38,7 @@ def data_flags(corpus) -> list[str]:
 GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
        "--max-position-embeddings", "64"]
 LLAMA = ["--preset", "LLAMA_TINY"]  # rope, RMSNorm, SwiGLU, GQA (4 heads, 2 KV heads), untied, no biases
+EVAL_AT_END = ["--eval-iters", "1", "--eval-interval", str(ITERS)]
 
 
 def run_train(tmp_path_factory, corpus, name: str, model: list[str], extra: list[str], nproc: int = 1):
@@ -63,17 +64,20 @@ def assert_same_losses(run, reference, rel=REL):
     assert len(got) == len(want) == ITERS
     for i, (a, b) in enumerate(zip(got, want), start=1):
         assert abs(a - b) <= rel * abs(b), f"iteration {i}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})\n{got}\n{want}"
+    if run["eval"] and reference["eval"]:
+        a, b = run["eval"][-1]["val_loss"], reference["eval"][-1]["val_loss"]
+        assert abs(a - b) <= rel * abs(b), f"validation loss {a} vs {b}"
 
 
 @pytest.fixture(scope="module")
 def gpt_baseline(tmp_path_factory, demo_corpus):
-    return run_train(tmp_path_factory, demo_corpus, "gpt_tp1", GPT,
-                     ["--eval-iters", "1", "--eval-interval", str(ITERS), "--tensorboard-dir", "tb"])
+    return run_train(tmp_path_factory, demo_corpus, "gpt_tp1", GPT, [*EVAL_AT_END, "--tensorboard-dir", "tb"])
 
 
 @pytest.fixture(scope="module")
 def gpt_tp2(tmp_path_factory, demo_corpus):
-    return run_train(tmp_path_factory, demo_corpus, "gpt_tp2", GPT, ["--tensor-model-parallel-size", "2"], nproc=2)
+    return run_train(tmp_path_factory, demo_corpus, "gpt_tp2", GPT, ["--tensor-model-parallel-size", "2", *EVAL_AT_END],
+                     nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -102,22 +106,24 @@ def test_metrics_file_fields_and_consistency(gpt_baseline):
 
 
 def test_tp2_matches_tp1(gpt_baseline, gpt_tp2):
-    assert "TP 2 x PP 1 x DP 1" in gpt_tp2["stdout"]
+    assert "TP 2 x PP 1 x DP 1" in gpt_tp2["stdout"] and len(gpt_tp2["eval"]) == 1
     assert_same_losses(gpt_tp2, gpt_baseline)
     for a, b in zip(gpt_tp2["train"], gpt_baseline["train"]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
 def test_sequence_parallel_matches_tp2_without_it(tmp_path_factory, demo_corpus, gpt_tp2, gpt_baseline):
+    # with activation recomputation too: recompute is exact in fp32, so the curve must not move
     sp = run_train(tmp_path_factory, demo_corpus, "gpt_tp2_sp", GPT,
-                   ["--tensor-model-parallel-size", "2", "--sequence-parallel"], nproc=2)
+                   ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--checkpoint-activations"], nproc=2)
     assert_same_losses(sp, gpt_tp2)
     assert_same_losses(sp, gpt_baseline)
 
 
 def test_pp2_matches_pp1(tmp_path_factory, demo_corpus, gpt_baseline):
-    pp = run_train(tmp_path_factory, demo_corpus, "gpt_pp2", GPT, ["--pipeline-model-parallel-size", "2"], nproc=2)
-    assert "TP 1 x PP 2 x DP 1" in pp["stdout"] and "pipeline engine" in pp["stdout"]
+    pp = run_train(tmp_path_factory, demo_corpus, "gpt_pp2", GPT, ["--pipeline-model-parallel-size", "2", *EVAL_AT_END],
+                   nproc=2)
+    assert "TP 1 x PP 2 x DP 1" in pp["stdout"] and "pipeline engine" in pp["stdout"] and len(pp["eval"]) == 1
     assert_same_losses(pp, gpt_baseline)
     for a, b in zip(pp["train"], gpt_baseline["train"]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
