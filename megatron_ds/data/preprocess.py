@@ -325,7 +325,10 @@ def main(argv: list[str]) -> int:
         return 2
     spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size)
 
-    def on_term(signum, frame):
+    received = [int(signal.SIGINT)]
+
+    def on_term(signum, frame):  # SIGTERM (e.g. a scheduler) cleans up like Ctrl-C does
+        received[0] = signum
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, on_term)
@@ -338,7 +341,7 @@ def main(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt:
         print("entrypoint preprocess: interrupted; no output written", file=sys.stderr)
-        return 130
+        return 128 + received[0]
     finally:
         signal.signal(signal.SIGTERM, old_term)
     rate = result.text_bytes / 1e6 / max(result.seconds, 1e-9)
