@@ -157,7 +157,13 @@ def test_installed_package_finds_the_profiles(tmp_path):
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", str(repo), "--no-deps", "--no-build-isolation",
+    source = tmp_path / "src"  # build from a copy: the build leaves build/ and *.egg-info behind
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "entrypoint.py"):
+        shutil.copy(repo / name, source / name)
+    for name in ("megatron_ds", "cuda", "rocm"):
+        shutil.copytree(repo / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                             "-w", str(tmp_path / "dist"), "-q"], capture_output=True, text=True, timeout=300)
     assert wheel.returncode == 0, wheel.stderr
     venv = tmp_path / "venv"
