@@ -82,7 +82,7 @@ def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
         nproc, why = gpus, f"{gpus} visible GPU(s)"
     else:
         nproc, why = 1, "no GPU visible"
-    if info.source == "torchrun":
+    if info.source == "env":
         return Plan(info, False, 1, "RANK is set: this process is one rank", chosen, profile_why)
     if info.local_world_size > 1:
         if nproc_per_node is not None and nproc_per_node != info.local_world_size:

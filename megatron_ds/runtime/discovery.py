@@ -35,7 +35,8 @@ class RankInfo:
     nodes: tuple[str, ...]
     master_addr: str
     master_port: int
-    source: str  # "torchrun", "slurm", "pals", "openmpi", "mpich", "pmix", "flux", "none"
+    # "env" (RANK set: torchrun, our spawner or the user), "slurm", "pals", "openmpi", "mpich", "pmix", "flux", "none"
+    source: str
     job_id: str | None = None
 
 
@@ -106,13 +107,13 @@ class _Raw:
     job_id: str | None
 
 
-def _from_torchrun(env: Mapping[str, str]) -> _Raw:
+def _from_rank_variables(env: Mapping[str, str]) -> _Raw:
     for name in ("WORLD_SIZE", "LOCAL_RANK"):
         _check(env.get(name, "") != "", f"RANK is set but {name} is not: set RANK, WORLD_SIZE and LOCAL_RANK together")
     local = _first_int(env, "LOCAL_WORLD_SIZE")
     node = _first_int(env, "GROUP_RANK", "NODE_RANK")
     return _Raw(
-        "torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
+        "env", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
         local[1] if local else None, node[1] if node else None, None, (),
         {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
          "local_world_size": local[0] if local else "LOCAL_WORLD_SIZE", "node_rank": node[0] if node else "GROUP_RANK"},
@@ -199,7 +200,7 @@ def _from_pmix(env: Mapping[str, str]) -> _Raw:
 
 def _raw(env: Mapping[str, str]) -> _Raw | None:
     if env.get("RANK", "") != "":
-        return _from_torchrun(env)
+        return _from_rank_variables(env)
     if env.get("SLURM_PROCID", "") != "" and env.get("SLURM_STEP_ID", "") != "":
         return _from_slurm(env)
     if env.get("PALS_RANKID", "") != "" or (env.get("PMI_RANK", "") != "" and env.get("PMI_LOCAL_RANK", "") != ""):

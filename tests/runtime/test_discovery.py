@@ -12,7 +12,7 @@ CASES = [
                       master_port=29500)),
     ("torchrun", {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
                   "MASTER_ADDR": "n0", "MASTER_PORT": "1234"},
-     dict(source="torchrun", rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1, num_nodes=2,
+     dict(source="env", rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1, num_nodes=2,
           master_addr="n0", master_port=1234)),
     ("slurm task per GPU", {"SLURM_PROCID": "9", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
                             "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
@@ -46,7 +46,7 @@ CASES = [
           master_port=job_port("f2Xy"))),
     ("torchrun wins over slurm", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "SLURM_PROCID": "3",
                                   "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"},
-     dict(source="torchrun", rank=0, world_size=1)),
+     dict(source="env", rank=0, world_size=1)),
     ("slurm batch script is not a step", {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5"},
      dict(source="none")),
 ]
