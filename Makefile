@@ -83,3 +83,27 @@ sif-lumi:
 sqsh:
 	@command -v enroot >/dev/null || { echo "make sqsh: enroot not found" >&2; exit 1; }
 	enroot import -o $(SQSH) dockerd://$(IMAGE)
+
+# ---- the MS-AMP image's oldest stack (torch 2.1 / DeepSpeed 0.13.1 / Python 3.10), checked here:
+# test-torch21 runs CPU tests on torch 2.1.2 (PyPI's CUDA wheel, ~2.5 GB with its nvidia-* libraries) with
+# the pinned DeepSpeed: DeepSpeed 0.13.1 itself cannot run on a CPU from PyPI (its CPU accelerator needs
+# intel_extension_for_pytorch 2.1 + oneccl_bind_pt); its API is checked statically against its source.
+TORCH21_VENV  ?= .venv-torch21
+TORCH21_TESTS ?= tests/training tests/model tests/parallel tests/data tests/images/test_oldest_stack.py
+.PHONY: test-torch21 oldest-stack-sources
+
+test-torch21: oldest-stack-sources
+	test -x $(TORCH21_VENV)/bin/python || $(PYTHON) -m venv $(TORCH21_VENV)
+	printf 'torch==2.1.2\nnumpy<2\n' > $(TORCH21_VENV)/constraints.txt
+	$(TORCH21_VENV)/bin/python -m pip install -q -c $(TORCH21_VENV)/constraints.txt torch \
+	  "deepspeed==$(shell sed -n 's/^DEEPSPEED_VERSION=//p' cuda/versions)" -e ".[test]"
+	$(TORCH21_VENV)/bin/python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+	$(TORCH21_VENV)/bin/python -m pytest $(TORCH21_TESTS) $(PYTEST_ARGS)
+
+oldest-stack-sources: .cache/oldest-stack/deepspeed-0.13.1/deepspeed/__init__.py
+
+.cache/oldest-stack/deepspeed-0.13.1/deepspeed/__init__.py:
+	mkdir -p .cache/oldest-stack
+	$(PYTHON) -m pip download -q --no-deps --no-binary :all: deepspeed==0.13.1 -d .cache/oldest-stack
+	tar -xzf .cache/oldest-stack/deepspeed-0.13.1.tar.gz -C .cache/oldest-stack
+	touch $@
