@@ -45,6 +45,14 @@ def _check_fp16(args) -> None:
                           "use --bf16 or fp32 (no precision flag) on CPU")
 
 
+def _check_tensorboard(args) -> None:
+    import importlib.util
+
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard-dir", "needs the tensorboard package (pip install tensorboard, or "
+                          "megatron_ds[tensorboard])")
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
@@ -55,6 +63,7 @@ def main(argv: list[str]) -> int:
         validate(args, world)
         _check_attention(args)
         _check_fp16(args)
+        _check_tensorboard(args)
     except ConfigError as err:
         return _error(str(err))
     from megatron_ds.runtime.bootstrap import become_rank

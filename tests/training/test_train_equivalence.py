@@ -62,6 +62,8 @@ def assert_same_losses(run, reference, rel=REL):
     got = [r["lm_loss"] for r in run["train"]]
     want = [r["lm_loss"] for r in reference["train"]]
     assert len(got) == len(want) == ITERS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    print(f"\n{run['dir'].name}: max relative loss difference {worst:.2e} over {ITERS} iterations")
     for i, (a, b) in enumerate(zip(got, want), start=1):
         assert abs(a - b) <= rel * abs(b), f"iteration {i}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})\n{got}\n{want}"
     if run["eval"] and reference["eval"]:
