@@ -141,7 +141,12 @@ def resolve(load_dir: str) -> tuple[str, str] | None:
     """(tag, directory) of the checkpoint ``latest`` names in load_dir, or None when there is none."""
     tag = paths.read_latest(load_dir)
     if tag is None:
-        return None
+        complete = paths.list_checkpoints(load_dir)
+        if not complete:
+            return None
+        # killed between renaming the first checkpoint into place and writing `latest`: a directory
+        # with its final name is complete (it is renamed only after every byte is durable)
+        tag = complete[-1][1]
     directory = os.path.join(load_dir, tag)
     if not os.path.isdir(directory):
         moved_aside = os.path.join(load_dir, paths.TRASH_PREFIX + tag)
@@ -165,10 +170,10 @@ def load(engine, args: Namespace):
     found = resolve(load_dir)
     if found is None:
         same_as_save = getattr(args, "save", None) and os.path.abspath(args.save) == load_dir
-        if same_as_save and not paths.list_checkpoints(load_dir):
+        if same_as_save:
             _log(f"no checkpoint in {load_dir} yet: starting from scratch")
             return None
-        what = "does not exist" if not os.path.isdir(load_dir) else "has no 'latest' checkpoint"
+        what = "does not exist" if not os.path.isdir(load_dir) else "holds no checkpoint (no 'latest', no iter_*)"
         raise CheckpointError(f"--load {load_dir} {what}")
     tag, directory = found
     finetune = bool(getattr(args, "finetune", False))

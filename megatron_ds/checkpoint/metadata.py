@@ -20,7 +20,7 @@ FORMAT = "mds-checkpoint/1"
 # Arguments that fix the shape of the weights: a checkpoint only fits a model with the same values.
 MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_query_groups",
-    "ffn_hidden_size", "padded_vocab_size", "position_embedding_type", "use_rotary_position_embeddings",
+    "ffn_hidden_size", "padded_vocab_size", "position_embedding_type",
     "normalization", "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear", "disable_bias_linear",
     "vocab_size", "make_vocab_size_divisible_by",
 )
@@ -132,7 +132,8 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
     def compare(name: str) -> None:
         if name in saved_args and hasattr(args, name):
             ours = jsonable(getattr(args, name))
-            if saved_args[name] != ours:
+            # None means "the default": only two explicit values can be told apart from the flags alone
+            if saved_args[name] is not None and ours is not None and saved_args[name] != ours:
                 problems.append(f"--{name.replace('_', '-')}: checkpoint {saved_args[name]!r}, this run {ours!r}")
 
     for name in MODEL_SHAPE_ARGS:

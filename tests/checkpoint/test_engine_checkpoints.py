@@ -1,8 +1,8 @@
 """Checkpoint machinery on a small real DeepSpeed engine (tests/checkpoint/engine_driver.py).
 
-What `entrypoint train` cannot show deterministically lives here: a SIGKILL in the middle of a save
-(the driver can make each checkpoint file slow to write), `--exit-duration-in-mins`, weights-only
-loads across data-parallel sizes, and the load checks called directly.
+What `entrypoint train` cannot show deterministically, or only slowly, lives here: a SIGKILL in the
+middle of a save (the driver can make each checkpoint file slow to write), `--exit-duration-in-mins`,
+`--finetune`, the load checks called directly, and the crash states of publishing.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ def test_exit_duration_saves_before_leaving(short_run):
     assert (meta["iteration"], meta["consumed_train_samples"], meta["layout"]["world_size"]) == (1, 8, 1)
 
 
-def test_weights_only_load_across_data_parallel_sizes(tmp_path):
-    run_driver(["--zero-stage", "2", "--train-iters", "2", "--save", "ckpt"], 2, tmp_path, "dp2")
-    out = run_driver(["--zero-stage", "2", "--train-iters", "4", "--load", "ckpt", "--no-load-optim",
-                      "--no-load-rng", "--metrics-file", "w.jsonl"], 1, tmp_path, "dp1")
-    assert "resuming from iteration 2 (16 samples)" in out and "without optimizer state" in out
-    assert sorted(losses(tmp_path / "w.jsonl")) == [3, 4]
+def test_finetune_loads_weights_and_restarts_at_iteration_0(short_run):
+    cwd, _ = short_run
+    out = run_driver(["--train-iters", "2", "--load", "ckpt", "--finetune", "--metrics-file", "ft.jsonl"], 1, cwd,
+                     "ft")
+    assert "--finetune: loaded weights of iteration 1" in out
+    assert sorted(losses(cwd / "ft.jsonl")) == [1, 2]
 
 
 def test_prune_never_deletes_latest(tmp_path):
@@ -86,23 +86,6 @@ def test_prune_never_deletes_latest(tmp_path):
     layout.write_text_atomic(str(tmp_path / "latest"), "iter_0000002")  # e.g. a resumed run pointed back
     assert layout.prune(str(tmp_path), 1) == ["iter_0000004", "iter_0000006"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000008", "latest"]
-
-
-def test_finetune_and_weights_only_loads(references, tmp_path):
-    ref_dir, _ = references("zero2-dp2")
-    out = run_driver(["--train-iters", "2", "--load", str(ref_dir / "ckpt"), "--finetune", "--metrics-file",
-                      "ft.jsonl"], 1, tmp_path, "ft")
-    assert "--finetune: loaded weights of iteration 10" in out
-    assert sorted(losses(tmp_path / "ft.jsonl")) == [1, 2]
-    # ZeRO-2 partitions of 2 ranks cannot fill 1 rank's optimizer; --no-load-optim loads the weights anyway
-    failed = Ranks([sys.executable, str(DRIVER), "--zero-stage", "2", "--train-iters", "12", "--load",
-                    str(ref_dir / "ckpt")], 1, tmp_path, "mismatch")
-    assert failed.wait(120) != [0]
-    assert "data-parallel size: checkpoint 2, this run 1" in failed.output()
-    out = run_driver(["--zero-stage", "2", "--train-iters", "12", "--load", str(ref_dir / "ckpt"),
-                      "--no-load-optim", "--no-load-rng", "--metrics-file", "w.jsonl"], 1, tmp_path, "w")
-    assert "resuming from iteration 10 (80 samples)" in out and "without optimizer state" in out
-    assert sorted(losses(tmp_path / "w.jsonl")) == [11, 12]
 
 
 def test_mismatched_missing_and_partial_loads_are_named(short_run, tmp_path):
@@ -121,6 +104,13 @@ def test_mismatched_missing_and_partial_loads_are_named(short_run, tmp_path):
     assert "--zero-stage: checkpoint 0, this run 2" in message and "--no-load-optim" in message
     assert "world size: checkpoint 1 ranks, this run 4" in message and "--no-load-rng" in message
 
+    zero2_dp2 = dict(meta, layout=dict(meta["layout"], zero_stage=2, dp=2, world_size=2))
+    with pytest.raises(CheckpointError, match="data-parallel size: checkpoint 2, this run 1; ZeRO stage 2"):
+        metadata.check_compatible(zero2_dp2, Namespace(), Layout(world_size=1, tp=1, pp=1, dp=1, zero_stage=2),
+                                  load_optim=True, load_rng=False, directory="X")
+    metadata.check_compatible(zero2_dp2, Namespace(), Layout(world_size=1, tp=1, pp=1, dp=1, zero_stage=2),
+                              load_optim=False, load_rng=False, directory="X")  # --no-load-optim --no-load-rng
+
     partial = copy_checkpoint(ckpt, tag, tmp_path / "partial")
     (partial / tag / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(CheckpointError, match="is partial: mp_rank_00_model_states.pt is missing"):
@@ -133,3 +123,21 @@ def test_mismatched_missing_and_partial_loads_are_named(short_run, tmp_path):
     failed = Ranks([sys.executable, str(DRIVER), "--hidden-size", "16", "--load", str(ckpt)], 1, tmp_path, "shape")
     assert failed.wait(120) != [0]
     assert "--hidden-size: checkpoint 32, this run 16" in failed.output()
+
+
+def test_every_intermediate_state_of_publish_resolves_to_a_complete_checkpoint(tmp_path):
+    """The states a kill can leave between the steps of layout.publish (the directory renames)."""
+    from megatron_ds.checkpoint.checkpointing import resolve
+
+    save = str(tmp_path)
+    (tmp_path / ".tmp-iter_0000005").mkdir()  # first save, killed while writing: nothing to load
+    assert resolve(save) is None
+    (tmp_path / ".tmp-iter_0000005").rename(tmp_path / "iter_0000005")  # killed before `latest` was written
+    assert resolve(save) == ("iter_0000005", str(tmp_path / "iter_0000005"))
+    layout.write_text_atomic(str(tmp_path / "latest"), "iter_0000005")
+    (tmp_path / ".tmp-iter_0000010").mkdir()
+    (tmp_path / "iter_0000010").mkdir()  # renamed, `latest` not yet replaced: the old one still wins
+    assert resolve(save)[0] == "iter_0000005"
+    # a re-save of iteration 5 moved the old copy aside and was killed before the new one took its name
+    (tmp_path / "iter_0000005").rename(tmp_path / ".old-iter_0000005")
+    assert resolve(save) == (".old-iter_0000005", str(tmp_path / ".old-iter_0000005"))
