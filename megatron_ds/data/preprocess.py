@@ -87,6 +87,8 @@ class _Encoder:
         nbytes = 0
         for lineno, raw in enumerate(lines, first_line):
             reason = None
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark is not part of the JSON
+                raw = raw[3:]
             try:
                 line = raw.decode("utf-8")
                 doc = json.loads(line)

@@ -95,6 +95,7 @@ BAD_LINES = [
     (b'{"text": "fine"}\n{"text": 5}\n', 2, "key 'text' is not a string"),
     (b'{"text": "fine"}\n\n{"text": "caf\xe9"}\n', 3, "not valid UTF-8"),
     (b'[1, 2]\n', 1, "expected a JSON object"),
+    (b'\xef\xbb\xbf{"text": "a BOM on line 1 is fine"}\n\xef\xbb\xbf{"text": "not on line 2"}\n', 2, "invalid JSON"),
 ]
 
 
@@ -115,8 +116,8 @@ def test_skip_bad_lines_counts_and_reports(tmp_path, gpt2_files, capsys):
     assert main(["--input", str(src), "--output-prefix", out, "--skip-bad-lines", "--no-progress",
                  *gpt2_flags(gpt2_files)]) == 0
     printed = capsys.readouterr().out
-    assert "skipped 5 bad lines" in printed and f"{src}:4: missing key 'text'" in printed
-    assert len(IndexedDataset(out + "_text_document")) == 4  # the four good lines
+    assert "skipped 7 bad lines" in printed and f"{src}:4: missing key 'text'" in printed
+    assert len(IndexedDataset(out + "_text_document")) == 4  # the four good lines (BOMs past line 1 are bad)
 
 
 @pytest.mark.parametrize("args, message", [
