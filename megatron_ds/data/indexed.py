@@ -64,7 +64,8 @@ class IndexedDataset:
         idx_file, bin_file = index_path(prefix), data_path(prefix)
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path}: no such file (indexed dataset prefix {prefix!r})")
+                hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+                raise FileNotFoundError(f"{path}: no such file (indexed dataset prefix {prefix!r}){hint}")
         self._idx_file, self._bin_file = idx_file, bin_file
         idx_size = os.path.getsize(idx_file)
         if idx_size < HEADER.size:

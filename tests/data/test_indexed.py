@@ -159,6 +159,8 @@ def test_inconsistent_middle_pointer_caught_on_read_and_validate(tmp_path):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nothing\.idx"):
         IndexedDataset(str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError, match=r"give the prefix, without \.bin/\.idx"):
+        IndexedDataset(str(tmp_path / "nothing.bin"))
 
 
 def test_huge_sparse_corpus_opens_in_milliseconds(tmp_path):
