@@ -193,6 +193,9 @@ def load(engine, args: Namespace):
         rng.restore(torch.load(os.path.join(directory, rng.rng_file_name(_rank())), map_location="cpu",
                                weights_only=False))
     _barrier()
+    global _last_saved
+    if getattr(args, "save", None) and os.path.abspath(args.save) == load_dir and not finetune:
+        _last_saved = (load_dir, int(metadata["iteration"]))  # a run with nothing left to train need not re-save
     train_state = _train_state_class()
     if finetune:
         _log(f"--finetune: loaded weights of iteration {metadata['iteration']} from {directory}; "

@@ -137,7 +137,13 @@ def remove_stale_temporaries(save_dir: str) -> list[str]:
     removed = []
     if not os.path.isdir(save_dir):
         return removed
+    latest = read_latest(save_dir)
+    keep = None  # the moved-aside copy is the only one of `latest` when a re-save died between its renames
+    if latest is not None and not os.path.isdir(os.path.join(save_dir, latest)):
+        keep = TRASH_PREFIX + latest
     for name in os.listdir(save_dir):
+        if name == keep:
+            continue
         if name.startswith((TMP_PREFIX, TRASH_PREFIX)) and os.path.isdir(os.path.join(save_dir, name)):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
             removed.append(name)

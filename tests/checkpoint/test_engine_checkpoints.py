@@ -141,3 +141,5 @@ def test_every_intermediate_state_of_publish_resolves_to_a_complete_checkpoint(t
     # a re-save of iteration 5 moved the old copy aside and was killed before the new one took its name
     (tmp_path / "iter_0000005").rename(tmp_path / ".old-iter_0000005")
     assert resolve(save) == (".old-iter_0000005", str(tmp_path / ".old-iter_0000005"))
+    assert layout.remove_stale_temporaries(save) == [".tmp-iter_0000010"]  # never that only copy
+    assert resolve(save)[0] == ".old-iter_0000005"
