@@ -155,6 +155,11 @@ def test_rocm_recipe_on_the_cpu_base_says_what_it_skips(docker, cpu_image):
     code, out = run(docker, ROCM_IMAGE, "entrypoint", "launch", "--nproc-per-node", "2", "--",
                     "python3", "-c", TWO_RANK_ALLREDUCE, timeout=300)
     assert code == 0 and "rank 1/2 allreduce 3" in out, out
+    # the LUMI RCCL profile ships in the image and is selected on LUMI
+    code, out = run(docker, ROCM_IMAGE, "entrypoint", "env", "--list-profiles")
+    assert code == 0 and any(line.split()[:2] == ["lumi", "rocm"] for line in out.splitlines()), out
+    code, out = run(docker, ROCM_IMAGE, "sh", "-c", "SLURM_CLUSTER_NAME=lumi entrypoint env")
+    assert code == 0 and "lumi" in out and "NCCL_SOCKET_IFNAME" in out, out
 
 
 def test_base_without_torch_fails_at_the_self_check_naming_it(docker, cpu_image):
