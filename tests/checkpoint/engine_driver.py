@@ -32,6 +32,8 @@ def parse(argv):
     p.add_argument("--keep-last-n-checkpoints", type=int)
     p.add_argument("--no-load-optim", action="store_true")
     p.add_argument("--no-load-rng", action="store_true")
+    p.add_argument("--no-save-optim", action="store_true")
+    p.add_argument("--no-save-rng", action="store_true")
     p.add_argument("--finetune", action="store_true")
     p.add_argument("--exit-signal-handler", action="store_true")
     p.add_argument("--exit-duration-in-mins", type=float)

@@ -143,3 +143,18 @@ def test_every_intermediate_state_of_publish_resolves_to_a_complete_checkpoint(t
     assert resolve(save) == (".old-iter_0000005", str(tmp_path / ".old-iter_0000005"))
     assert layout.remove_stale_temporaries(save) == [".tmp-iter_0000010"]  # never that only copy
     assert resolve(save)[0] == ".old-iter_0000005"
+
+
+def test_no_save_optim_and_rng_leave_them_out_and_loading_says_so(tmp_path):
+    run_driver(["--zero-stage", "2", "--train-iters", "1", "--save", "ckpt", "--no-save-optim", "--no-save-rng"], 1,
+               tmp_path, "save")
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000001").iterdir())
+    assert files == ["mds_checkpoint.json", "mp_rank_00_model_states.pt"]  # no ZeRO partitions, no RNG file
+    failed = Ranks([sys.executable, str(DRIVER), "--zero-stage", "2", "--train-iters", "2", "--load", "ckpt"], 1,
+                   tmp_path, "refused")
+    assert failed.wait(120) != [0]
+    assert "saved with --no-save-optim: pass --no-load-optim" in failed.output()
+    assert "saved with --no-save-rng: pass --no-load-rng" in failed.output()
+    out = run_driver(["--zero-stage", "2", "--train-iters", "2", "--load", "ckpt", "--no-load-optim", "--no-load-rng"],
+                     1, tmp_path, "loaded")
+    assert "resuming from iteration 1 (8 samples)" in out
