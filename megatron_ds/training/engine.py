@@ -161,14 +161,29 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
             optimizer.max_norm = args.clip_grad
             ds_config["gradient_clipping"] = 0.0  # we clip, with the correct norm
     schedule = schedule_from_args(args)
+    if optimizer is not None:
+        # DeepSpeed's fp16/bf16 wrappers without ZeRO take a start-up optimizer.step() on zero gradients:
+        # with lr 0 it moves no weight (AdamW's decoupled decay would), and its state is dropped below.
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
     if own_lr:
-        lr_scheduler = (ScheduledLR(optimizer, schedule) if optimizer is not None
+        lr_scheduler = (ScheduledLR(optimizer, schedule, apply_now=False) if optimizer is not None
                         else (lambda opt: ScheduledLR(opt, schedule)))
     # 4. DeepSpeed: the pipeline engine takes its grid from the PipelineModule, the plain one our mpu
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
         model_parameters=None if optimizer is not None else _param_groups(module, args.weight_decay),
         mpu=None if pipelined else state.mpu(), dist_init_required=False)
+    if optimizer is not None:
+        if optimizer.state:
+            # That start-up step advanced AdamW's step count, mis-scaling every early update (bias
+            # correction); no real step has happened yet, so start the state afresh.
+            optimizer.state.clear()
+        if isinstance(lr_scheduler, ScheduledLR):
+            lr_scheduler.apply()
+        else:
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr
     return Built(engine, pipelined, config, _resolved_backend(module), own_lr)
 
 

@@ -60,18 +60,20 @@ class ScheduledLR:
     saves/loads `state_dict()` with its checkpoints, so resume continues the schedule exactly.
     """
 
-    def __init__(self, optimizer, schedule: LRSchedule):
+    def __init__(self, optimizer, schedule: LRSchedule, apply_now: bool = True):
         self.optimizer, self.schedule = optimizer, schedule
-        self._apply()
+        if apply_now:
+            self.apply()
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
+        """Set the learning rate of the coming step on every parameter group."""
         lr = self.schedule.next_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def step(self, increment: int = 1, **_ignored) -> None:
         self.schedule.step += increment
-        self._apply()
+        self.apply()
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -83,7 +85,7 @@ class ScheduledLR:
 
     def load_state_dict(self, state: dict) -> None:
         self.schedule.load_state_dict(state)
-        self._apply()
+        self.apply()
 
 
 def from_args(args) -> LRSchedule:
