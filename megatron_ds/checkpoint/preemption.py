@@ -19,6 +19,7 @@ Usage in the loop::
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -36,7 +37,7 @@ class StopAgreement:
                  start_time: float | None = None, signals: tuple[str, ...] = DEFAULT_SIGNALS, group=None):
         self.handle_signals = handle_signals
         self.exit_duration_s = None if exit_duration_mins is None else float(exit_duration_mins) * 60.0
-        self.start_time = time.time() if start_time is None else start_time
+        self.start_time = process_start_time() if start_time is None else start_time
         self.signals = tuple(getattr(signal, name) for name in signals)
         self.group = group
         self.received: int = 0  # number of the last signal received on this rank, 0 if none
@@ -76,6 +77,19 @@ class StopAgreement:
         if timed_out:
             return f"--exit-duration-in-mins {self.exit_duration_s / 60:g} reached: saving and exiting"
         return None
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds), so --exit-duration-in-mins counts start-up and
+    checkpoint loading too, as Megatron's does; the current time where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may contain spaces
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime in clock ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 def announce(reason: str) -> None:
