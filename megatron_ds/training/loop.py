@@ -224,7 +224,8 @@ class Trainer:
             if args.save:
                 checkpoint.save(self.engine, args, st)
             if reason is not None:
-                _log(f"mds train: stopping: {reason}")
+                saved = "" if args.save else " (no --save given: nothing was saved)"
+                _log(f"mds train: stopping at iteration {st.iteration}: {reason}{saved}")
             else:
                 _log(f"mds train: done, {st.iteration} iterations, {st.consumed_train_samples} samples")
             return 0
