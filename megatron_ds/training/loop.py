@@ -225,7 +225,7 @@ class Trainer:
                 checkpoint.save(self.engine, args, st)
             if reason is not None:
                 saved = "" if args.save else " (no --save given: nothing was saved)"
-                _log(f"mds train: stopping at iteration {st.iteration}: {reason}{saved}")
+                _log(f"mds train: stopping: {reason}{saved}; last iteration {st.iteration}")
             else:
                 _log(f"mds train: done, {st.iteration} iterations, {st.consumed_train_samples} samples")
             return 0

@@ -172,3 +172,10 @@ def test_bf16_without_zero_matches_zero1(tmp_path_factory, demo_corpus):
     zero1 = run_train(tmp_path_factory, demo_corpus, "gpt_bf16_zero1", GPT, ["--bf16", "--zero-stage", "1"])
     assert "bf16" in zero0["stdout"] and "ZeRO-0" in zero0["stdout"]
     assert_same_losses(zero0, zero1, rel=1e-4)
+
+
+def test_exit_interval_stops_at_that_iteration(tmp_path_factory, demo_corpus, gpt_baseline):
+    run = run_train(tmp_path_factory, demo_corpus, "gpt_exit2", GPT, ["--exit-interval", "2"])
+    assert [r["iteration"] for r in run["train"]] == [1, 2]
+    assert [r["lm_loss"] for r in run["train"]] == [r["lm_loss"] for r in gpt_baseline["train"][:2]]
+    assert "stopping: --exit-interval 2 reached at iteration 2" in run["stdout"]
