@@ -13,6 +13,7 @@ READY      := $(VENV)/.mds-ready
 help:
 	@echo "make demo    prepare the embedded corpus and run the demo job (CPU or GPU)"
 	@echo "make test    run the test suite (PYTEST_ARGS=... to narrow it)"
+	@echo "make bench   GPU benchmark stages (BENCH_STAGES=headline by default); results in bench/"
 
 setup: $(READY)
 
@@ -28,6 +29,12 @@ demo: $(READY)
 
 test: $(READY)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# GPU benchmarks (bench/device.sh lists the stages: headline single1 single2 longseq scaling big gputests).
+BENCH_STAGES ?= headline
+.PHONY: bench
+bench: $(READY)
+	PYTHON=$(PY) bash bench/device.sh $(BENCH_STAGES)
 
 # ---- images: pins come from cuda/versions and rocm/versions (one --build-arg per line); every target
 # prints what it runs. BASE_IMAGE=... builds a recipe on another base (image-cpu: the CPU test base).

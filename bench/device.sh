@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Run benchmark stages on a GPU machine that has torch but not our other dependencies.
+# Run benchmark stages on a GPU machine (`make bench` runs the headline stage with the repo's venv).
 #   bash bench/device.sh STAGE [STAGE...]      (stages below; results land in bench/results and $OUT)
+#   PYTHON=.venv/bin/python bash bench/device.sh headline
 # Wheels for what the machine lacks (DeepSpeed built with DS_BUILD_OPS=0, pydantic, hjson, ...) are
 # installed from .whl/ when present. Each stage runs under its own time limit so that the results of the
 # others still come back. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/mds_out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
 else
@@ -20,16 +22,21 @@ export MDS_BENCH_WORK=/tmp/mds_bench
 LOGS=/tmp/mds_logs
 mkdir -p "$LOGS"
 
-B="python3 bench/bench_train.py"
+B="$PYTHON bench/bench_train.py"
 GPT13="--preset GPT1_3B --bf16"
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
+
+stage_headline() {  # GPT-1.3B, one GPU, the best measured settings, against the HF baseline in the same call
+  t 300 $B --steps 20 --warmup-steps 5 --baseline --name gpt1_3b_s2048_mbs16_z1_vs_hf -- $GPT13 \
+    --micro-batch-size 16 --zero-stage 1
+}
 
 stage_single1() {  # GPT-1.3B on one GPU: ours vs HF in one call, then what a step spends its time on
   t 240 $B --name gpt1_3b_s2048_mbs8_z1_1gpu --baseline -- $GPT13 --micro-batch-size 8 --zero-stage 1
   t 150 $B --name gpt1_3b_s2048_mbs16_z1_1gpu -- $GPT13 --micro-batch-size 16 --zero-stage 1
   for v in base cudnn compile+cudnn nodrop+cudnn; do
-    t 150 python3 bench/profile_train.py --variant "$v" --out "$LOGS/profile_${v/+/_}.txt" -- $GPT13 --micro-batch-size 8 --zero-stage 1
+    t 150 $PYTHON bench/profile_train.py --variant "$v" --out "$LOGS/profile_${v/+/_}.txt" -- $GPT13 --micro-batch-size 8 --zero-stage 1
   done
 }
 
@@ -40,9 +47,9 @@ stage_single2() {  # batch size, ZeRO stage, dropout, activation checkpointing; 
   t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_nodrop_1gpu -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
     --hidden-dropout 0 --attention-dropout 0
   t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_ckpt_1gpu -- $GPT13 --micro-batch-size 16 --zero-stage 1 --checkpoint-activations
-  t 120 python3 bench/profile_train.py --no-profile --variant compile --out "$LOGS/profile16_compile.txt" -- \
+  t 120 $PYTHON bench/profile_train.py --no-profile --variant compile --out "$LOGS/profile16_compile.txt" -- \
     $GPT13 --micro-batch-size 16 --zero-stage 1
-  t 150 python3 bench/profile_train.py --variant compile+nodrop --out "$LOGS/profile16_compile_nodrop.txt" -- \
+  t 150 $PYTHON bench/profile_train.py --variant compile+nodrop --out "$LOGS/profile16_compile_nodrop.txt" -- \
     $GPT13 --micro-batch-size 16 --zero-stage 1
 }
 
@@ -74,11 +81,11 @@ stage_big() {  # GPT-13B on 4 GPUs with ZeRO-3 and activation checkpointing
 }
 
 stage_gputests() {  # pytest -m gpu: layouts reproduce the single-GPU bf16 curve; fp16 loss scaling trains
-  MDS_GPU_REPORT="$LOGS/gpu_tests.json" t 400 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider
+  MDS_GPU_REPORT="$LOGS/gpu_tests.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider
 }
 
 collect() {  # after every stage, so that a call cut off later still returns what finished
-  python3 bench/report.py
+  $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
 }
 

@@ -62,6 +62,16 @@ def _probe_rows(records: list[dict]) -> list[str]:
     return rows
 
 
+_PROVENANCE = {"command", "cuda", "date", "deepspeed", "git_commit", "gpu", "gpu_count", "host", "python", "torch",
+               "transformers", "machine", "name", "kind"}
+
+
+def _scalars(record: dict, limit: int = 8) -> str:
+    items = [(k, v) for k, v in record.items()
+             if k not in _PROVENANCE and isinstance(v, (int, float, str, bool)) and len(str(v)) < 60]
+    return ", ".join(f"{k}={v}" for k, v in items[:limit])
+
+
 def render(results_dir: Path) -> str:
     records = []
     for path in sorted(results_dir.glob("*.json")):
@@ -79,8 +89,9 @@ def render(results_dir: Path) -> str:
     if probes:
         lines += ["", "### Kernel probes (bench/probe_kernels.py)"] + _probe_rows(probes)
     if other:
-        lines += ["", "### Other records", ""] + [f"- `{r['name']}` ({r.get('kind')}): "
-                                                    f"{json.dumps(r.get('summary'))[:300]}" for r in other]
+        lines += ["", "### Other records (scalar fields; the JSON has the rest)", ""]
+        lines += [f"- `{r['name']}` ({r.get('kind')}, {r.get('gpu', (r.get('environment') or {}).get('gpu'))}, "
+                  f"{(r.get('date') or '')[:16]}): {_scalars(r)}" for r in other]
     lines += ["", END]
     return "\n".join(lines)
 
