@@ -86,6 +86,7 @@ def _str2norm(value: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="entrypoint train",
+        usage="entrypoint train [--preset NAME] [model, parallel, batch, data, checkpoint, logging flags]",
         allow_abbrev=False,  # a typo must never silently match a longer flag
         description="Pretrain a GPT with tensor/sequence/pipeline/data parallelism and ZeRO. Flags follow "
         "Megatron-DeepSpeed's pretrain_gpt.py; a launch script only needs `python pretrain_gpt.py` replaced "
