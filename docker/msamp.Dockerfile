@@ -21,14 +21,12 @@ ARG MSAMP_TORCH_CUDA_ARCH_LIST=9.0
 ARG DS_BUILD_OPS_LIST=FUSED_ADAM,FUSED_LAMB,CPU_ADAM,UTILS
 ARG MDS_VERSION=0.1.0
 ARG MDS_SOURCE=https://github.com/mds-project/mds
-ARG MDS_REVISION=unknown
 ARG PIN_CHECK=warn
 
 LABEL org.opencontainers.image.title="mds-msamp" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with MS-AMP FP8 (CUDA, sm_90)" \
       org.opencontainers.image.version="${MDS_VERSION}" \
       org.opencontainers.image.source="${MDS_SOURCE}" \
-      org.opencontainers.image.revision="${MDS_REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${MSAMP_BASE_IMAGE}" \
       io.mds.flavour="msamp" \
@@ -70,6 +68,10 @@ RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src 
         sh /opt/mds/steps/record-stack.sh PYTHON_VERSION TORCH_VERSION CUDA_VERSION DEEPSPEED_VERSION FLASH_ATTN_VERSION
 
 RUN sh /opt/mds/steps/self-check.sh
+
+# declared last: a new commit must not invalidate the cached layers above
+ARG MDS_REVISION=unknown
+LABEL org.opencontainers.image.revision="${MDS_REVISION}"
 
 WORKDIR /workspace
 CMD ["entrypoint", "--help"]

@@ -18,7 +18,6 @@ ARG APEX_ROCM_REPO=https://github.com/ROCm/apex
 ARG APEX_ROCM_COMMIT=491be2b038555f2e5bb6e9222eaacf47fe9f0fc2
 ARG MDS_VERSION=0.1.0
 ARG MDS_SOURCE=https://github.com/mds-project/mds
-ARG MDS_REVISION=unknown
 ARG PATCH_TARGETS=deepspeed
 ARG PIN_CHECK=warn
 # the flavour doctor checks: make image-cpu builds this recipe as a cpu image
@@ -28,7 +27,6 @@ LABEL org.opencontainers.image.title="mds-rocm" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with one entrypoint (ROCm)" \
       org.opencontainers.image.version="${MDS_VERSION}" \
       org.opencontainers.image.source="${MDS_SOURCE}" \
-      org.opencontainers.image.revision="${MDS_REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.mds.flavour="${MDS_IMAGE_FLAVOUR}" \
@@ -66,6 +64,10 @@ RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src 
     sh /opt/mds/steps/record-stack.sh PYTHON_VERSION TORCH_VERSION ROCM_VERSION DEEPSPEED_VERSION
 
 RUN sh /opt/mds/steps/self-check.sh
+
+# declared last: a new commit must not invalidate the cached layers above
+ARG MDS_REVISION=unknown
+LABEL org.opencontainers.image.revision="${MDS_REVISION}"
 
 WORKDIR /workspace
 CMD ["entrypoint", "--help"]

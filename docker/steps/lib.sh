@@ -3,7 +3,12 @@
 set -eu
 
 step() { printf '\n== mds step: %s\n' "$*"; }
-note() { printf 'mds: %s\n' "$*"; }
+# notes (what a step skipped and why) are also kept in the image, so they survive Docker's layer cache
+MDS_BUILD_NOTES=${MDS_BUILD_NOTES:-/opt/mds/build-notes.txt}
+note() {
+    printf 'mds: %s\n' "$*"
+    if mkdir -p "$(dirname "$MDS_BUILD_NOTES")" 2>/dev/null; then printf '%s\n' "$*" >> "$MDS_BUILD_NOTES"; fi
+}
 die() { printf 'mds: ERROR: %s\n' "$*" >&2; exit 1; }
 
 PYTHON=${PYTHON:-python3}

@@ -18,7 +18,12 @@ if [ "$torch_kind" = cpu ] && [ "$flavour" != cpu ]; then
 fi
 commands=$(entrypoint --help)
 if echo "$commands" | grep -q '^  doctor '; then
-    entrypoint doctor --strict --flavour "$flavour" || die "self check: entrypoint doctor --strict --flavour $flavour failed (see FAILED above)"
+    # the report is kept in the image (/opt/mds/self-check.txt) next to the build notes
+    report=/opt/mds/self-check.txt
+    mkdir -p /opt/mds
+    if entrypoint doctor --strict --flavour "$flavour" > "$report" 2>&1; then passed=yes; else passed=no; fi
+    cat "$report"
+    [ "$passed" = yes ] || die "self check: entrypoint doctor --strict --flavour $flavour failed (see FAILED above)"
 else
     note "entrypoint doctor is not available in this source tree: checking imports only"
     for module in torch deepspeed tokenizers numpy tqdm megatron_ds; do
