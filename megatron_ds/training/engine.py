@@ -133,7 +133,6 @@ class Built:
     pipelined: bool
     config: GPTConfig
     attention_backend: str
-    own_lr_schedule: bool
 
 
 def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
@@ -184,7 +183,7 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
         else:
             for group in optimizer.param_groups:
                 group["lr"] = args.lr
-    return Built(engine, pipelined, config, _resolved_backend(module), own_lr)
+    return Built(engine, pipelined, config, _resolved_backend(module))
 
 
 def _resolved_backend(module: torch.nn.Module) -> str:
