@@ -1,5 +1,6 @@
 """A real local Slurm (started by the `slurm` fixture): srun and sbatch drive `entrypoint launch`."""
 
+import json
 import subprocess
 import sys
 import time
@@ -70,3 +71,28 @@ def _wait_for_job(slurm, job_id: str, timeout: float) -> str:
             return f"{fields['JobState']} ExitCode={fields.get('ExitCode')}"
         time.sleep(0.5)
     raise AssertionError(f"job {job_id} did not finish in {timeout} s")
+
+
+def test_sbatch_generated_script_trains_two_ranks(slurm, tmp_path, demo_corpus):
+    """The user's path end to end: `entrypoint sbatch --runtime none -- train ...`, submitted to a real Slurm,
+    two tasks (one per rank, map + exec), a tiny GPT trained to its last iteration with TP=2."""
+    job = tmp_path / "job.sh"
+    metrics = tmp_path / "metrics.jsonl"
+    train = ["train", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--train-iters", "3", "--lr", "1e-3", "--tensor-model-parallel-size", "2", "--log-interval", "1",
+             "--eval-iters", "0", "--data-path", demo_corpus.prefix, "--vocab-file", demo_corpus.vocab_file,
+             "--merge-file", demo_corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0",
+             "--metrics-file", str(metrics)]
+    gen = subprocess.run([ENTRYPOINT, "sbatch", "--nodes", "1", "--gpus-per-node", "0", "--ntasks-per-node", "2",
+                          "--runtime", "none", "--time", "00:05:00", "--entrypoint", ENTRYPOINT, "-o", str(job),
+                          "--", *train], env=slurm.env(), capture_output=True, text=True, timeout=60)
+    assert gen.returncode == 0, gen.stderr
+    submit = subprocess.run(["sbatch", "--parsable", str(job)], env=slurm.env(), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr + slurm.logs()
+    state = _wait_for_job(slurm, submit.stdout.strip().split(";")[0], timeout=280)
+    logs = "".join(p.read_text() for p in tmp_path.glob("mds-*.out"))
+    assert state.startswith("COMPLETED") and "ExitCode=0:0" in state, state + logs + slurm.logs()
+    iterations = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines() if "lm_loss" in line]
+    assert iterations == [1, 2, 3], logs
