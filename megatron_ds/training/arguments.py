@@ -407,6 +407,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--zero-stage", f"ZeRO-{args.zero_stage} cannot be combined with pipeline parallelism "
                           f"(PP={pp}): DeepSpeed's pipeline engine supports ZeRO-0/1 only. Use ZeRO-1, or "
                           "--pipeline-model-parallel-size 1 with --no-pipeline-parallel")
+    pipeline_section = (ds_file or {}).get("pipeline") or {}
+    forced = [key for key in ("pipe_partitioned", "grad_partitioned") if pipeline_section.get(key) is True]
+    if args.sequence_parallel and forced:
+        raise ConfigError("--sequence-parallel", f"{args.deepspeed_config} sets pipeline.{forced[0]}=true, which "
+                          "splits inter-stage activations over TP ranks assuming they are identical; under "
+                          "sequence parallelism each TP rank holds a different sequence shard. Remove it or set "
+                          "it false")
     if args.no_pipeline_parallel and pp > 1:
         raise ConfigError("--no-pipeline-parallel", f"conflicts with --pipeline-model-parallel-size {pp}")
 

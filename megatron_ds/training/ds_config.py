@@ -27,6 +27,14 @@ def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
     zero["stage"] = args.zero_stage
     config["zero_optimization"] = zero
     config.update(precision.deepspeed_config())
+    if args.sequence_parallel:
+        # DeepSpeed's pipeline engine splits inter-stage activations (and their gradients) over TP by
+        # default, assuming every TP rank holds the same activations; under sequence parallelism each
+        # holds a different sequence shard, so that split gives a wrong loss. (validate refused a file
+        # that sets them true.)
+        pipeline = dict(config.get("pipeline") or {})
+        pipeline.update(pipe_partitioned=False, grad_partitioned=False)
+        config["pipeline"] = pipeline
     optimizer = config.get("optimizer")
     if optimizer and on_cpu and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
         # DeepSpeed's FusedAdam is a CUDA op; torch's Adam(W) is the CPU path.

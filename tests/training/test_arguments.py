@@ -168,6 +168,10 @@ def test_deepspeed_config_must_agree(files):
     check(files, [*ds({"gradient_accumulation_steps": 3}), "--global-batch-size", "4"], 1, "--global-batch-size",
           "disagrees with gradient_accumulation_steps")
     check(files, ["--deepspeed_config", "/nonexistent.json"], 1, "--deepspeed_config", "file not found")
+    sp = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    check(files, [*ds({"pipeline": {"grad_partitioned": True}}), *sp], 4, "--sequence-parallel",
+          "pipeline.grad_partitioned=true")
+    validate(parse_args(base(files, *ds({"pipeline": {"pipe_partitioned": False}}), *sp), env={}), 4)
 
 
 def test_vocab_padding_matches_megatron():

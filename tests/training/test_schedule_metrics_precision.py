@@ -77,8 +77,20 @@ def test_ds_config_keeps_user_sections_and_sets_flags():
     args = SimpleNamespace(ds_config_file={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5},
                                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
                            global_batch_size=16, micro_batch_size=2, gradient_accumulation_steps=4, clip_grad=1.0,
-                           zero_stage=1)
+                           zero_stage=1, sequence_parallel=False)
     config = build_ds_config(args, Precision("bf16", torch.bfloat16), on_cpu=True)
     assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}
     assert config["train_batch_size"] == 16 and config["bf16"]["enabled"]
     assert config["optimizer"]["params"]["torch_adam"] is True
+    assert "pipeline" not in config  # DeepSpeed's defaults when the activations are TP-replicated
+
+
+def test_ds_config_sequence_parallel_keeps_pipeline_activations_whole():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(ds_config_file={"pipeline": {"activation_checkpoint_interval": 0}}, global_batch_size=4,
+                           micro_batch_size=2, gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=0,
+                           sequence_parallel=True)
+    config = build_ds_config(args, Precision("fp32", torch.float32), on_cpu=True)
+    assert config["pipeline"] == {"activation_checkpoint_interval": 0, "pipe_partitioned": False,
+                                  "grad_partitioned": False}
