@@ -107,6 +107,14 @@ class ParallelState:
 _STATE: ParallelState | None = None
 
 
+def local_device_index() -> int:
+    """This rank's GPU: its local rank among the GPUs it sees. Every rank normally sees all GPUs of the node
+    (DESIGN.md); modulo keeps a site that hands each task only its own GPU (`--gpus-per-task`) working."""
+    import torch
+
+    return int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+
+
 def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None) -> ParallelState:
     """Init torch.distributed from env:// if needed, then build the TP/DP/PP groups.
 
@@ -122,10 +130,10 @@ def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None) -> Paral
         if missing:
             raise RuntimeError(f"init_parallel: torch.distributed is not initialised and {', '.join(missing)} "
                                "unset; launch through `entrypoint` (or torchrun) so env:// can rendezvous")
-        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+        if backend == "nccl":
             import torch
 
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # NCCL binds its communicator to it
+            torch.cuda.set_device(local_device_index())  # NCCL binds its communicator to it
         dist.init_process_group(backend=backend, init_method="env://")
     dims = ParallelDims(dist.get_world_size(), tp, pp)
     rank = dist.get_rank()

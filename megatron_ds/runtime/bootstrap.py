@@ -149,18 +149,20 @@ def enter_rank(plan: Plan, *, strict: bool = False) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: float = 5.0, label: bool = False,
+def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: float = 5.0,
+                signal_grace: float | None = None, label: bool = False,
                 tee_dir: str | None = None) -> int:
     """Run `argv` as each local rank of the plan, supervised; returns the launcher's exit code."""
     base = dict(os.environ)
     prepare_env(plan, base, strict=strict)
     print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
-    return supervise(rank_specs(plan, argv, base), grace=grace, label=label, tee_dir=tee_dir)
+    return supervise(rank_specs(plan, argv, base), grace=grace, signal_grace=signal_grace, label=label,
+                     tee_dir=tee_dir)
 
 
 def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, profile: str | None = None,
                 strict: bool = False, label: bool = False, tee_dir: str | None = None,
-                grace: float = 5.0) -> int | None:
+                grace: float = 5.0, signal_grace: float | None = None, plan: Plan | None = None) -> int | None:
     """Called by `entrypoint train` after its config validated.
 
     Returns None when this process is a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -169,10 +171,11 @@ def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, pro
     (2 when the launcher's variables or the profile are inconsistent).
     """
     try:
-        plan = make_plan(nproc_per_node, profile)
+        plan = plan or make_plan(nproc_per_node, profile)
         if plan.spawn:
             argv = [sys.executable, "-m", "entrypoint", *child_argv]
-            return spawn_ranks(plan, argv, strict=strict, grace=grace, label=label, tee_dir=tee_dir)
+            return spawn_ranks(plan, argv, strict=strict, grace=grace, signal_grace=signal_grace, label=label,
+                               tee_dir=tee_dir)
         enter_rank(plan, strict=strict)
     except (DiscoveryError, ProfileError) as err:
         print(f"entrypoint: {err}", file=sys.stderr)

@@ -85,8 +85,11 @@ class _Output:
 
 
 class Supervisor:
-    def __init__(self, specs: list[RankSpec], *, grace: float = 5.0, label: bool = False, tee_dir: str | None = None):
+    def __init__(self, specs: list[RankSpec], *, grace: float = 5.0, signal_grace: float | None = None,
+                 label: bool = False, tee_dir: str | None = None):
         self.specs, self.grace, self.label, self.tee_dir = specs, grace, label, tee_dir
+        # after a TERM/INT from outside, ranks may need longer than `grace` (e.g. to save a checkpoint)
+        self.signal_grace = grace if signal_grace is None else signal_grace
         self.procs: list[subprocess.Popen] = []
         self.outputs: list[_Output] = []
         self.failure: tuple[RankSpec, int] | None = None
@@ -98,7 +101,7 @@ class Supervisor:
         self.received.append(signum)
         self._signal_all(signum)
         if signum in STOPPING and self.stop_deadline is None:
-            self.stop_deadline = time.monotonic() + self.grace
+            self.stop_deadline = time.monotonic() + self.signal_grace
 
     def _signal_all(self, signum: int, only_live: bool = True) -> None:
         for proc in self.procs:
@@ -129,7 +132,7 @@ class Supervisor:
             time.sleep(0.05)
         if any(p.poll() is None for p in self.procs):
             stragglers = [s.rank for s, p in zip(self.specs, self.procs) if p.poll() is None]
-            _log(f"rank(s) {stragglers} still alive {self.grace:g} s after SIGTERM: SIGKILL")
+            _log(f"rank(s) {stragglers} still alive at the grace deadline after SIGTERM: SIGKILL")
             self._signal_all(signal.SIGKILL)
 
     def run(self) -> int:
@@ -178,6 +181,7 @@ class Supervisor:
                 _log(f"last output of rank {spec.rank}:\n" + tail)
 
 
-def supervise(specs: list[RankSpec], *, grace: float = 5.0, label: bool = False, tee_dir: str | None = None) -> int:
+def supervise(specs: list[RankSpec], *, grace: float = 5.0, signal_grace: float | None = None, label: bool = False,
+              tee_dir: str | None = None) -> int:
     """Run every rank to the end (or to the first failure) and return the launcher's exit code."""
-    return Supervisor(specs, grace=grace, label=label, tee_dir=tee_dir).run()
+    return Supervisor(specs, grace=grace, signal_grace=signal_grace, label=label, tee_dir=tee_dir).run()

@@ -12,12 +12,11 @@ def _error(message: str) -> int:
     return 2
 
 
-def planned_world_size(args) -> int:
-    """The world size the run will have: from the launcher's variables, or the ranks we will spawn."""
+def launch_plan(args):
+    """How this run will launch (its world size comes from the launcher's variables, or the ranks we spawn)."""
     from megatron_ds.runtime.bootstrap import make_plan
 
-    plan = make_plan(args.nproc_per_node, args.profile)
-    return plan.ranks()[0].world_size
+    return make_plan(args.nproc_per_node, args.profile)
 
 
 def _check_attention(args) -> None:
@@ -57,10 +56,10 @@ def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
         try:
-            world = planned_world_size(args)
+            plan = launch_plan(args)
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
-        validate(args, world)
+        validate(args, plan.ranks()[0].world_size)
         _check_attention(args)
         _check_fp16(args)
         _check_tensorboard(args)
@@ -68,13 +67,20 @@ def main(argv: list[str]) -> int:
         return _error(str(err))
     from megatron_ds.runtime.bootstrap import become_rank
 
-    code = become_rank(["train", *argv], nproc_per_node=args.nproc_per_node, profile=args.profile)
-    if code is not None:
-        return code  # we supervised the local ranks; theirs is the exit code
     import os
 
+    # With --exit-signal-handler a TERM means "finish the step and save": give the ranks time for it.
+    signal_grace = float(os.environ.get("MDS_SIGNAL_GRACE", "300")) if args.exit_signal_handler else None
+    code = become_rank(["train", *argv], nproc_per_node=args.nproc_per_node, profile=args.profile, plan=plan,
+                       signal_grace=signal_grace)
+    if code is not None:
+        return code  # we supervised the local ranks; theirs is the exit code
     if os.environ.get("RANK", "0") == "0":
         print_notices(args)
+    from megatron_ds.checkpoint import CheckpointError
     from megatron_ds.training.loop import train
 
-    return train(args)
+    try:
+        return train(args)
+    except CheckpointError as err:  # missing, partial or mismatched --load: a config error, not a crash
+        return _error(str(err))

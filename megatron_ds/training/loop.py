@@ -27,9 +27,11 @@ def _log(message: str) -> None:
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        from megatron_ds.parallel.state import local_device_index
+
+        index = local_device_index()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     if "OMP_NUM_THREADS" not in os.environ:
         # CPU ranks share the node's cores: more threads than cores makes gloo collectives crawl.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -194,6 +194,7 @@ def test_mismatched_layout_is_named(reference, demo_corpus, tmp_path):
     result = train(tmp_path, train_argv(demo_corpus, 1, ["--load", str(ref / "ckpt")]), fail=True)
     assert "--tensor-model-parallel-size: checkpoint 2, this run 1" in result.stderr
     assert "--make-vocab-size-divisible-by: checkpoint 100, this run 128" in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr  # a config error, not a crash
 
 
 def test_weights_only_load_into_another_data_parallel_size(reference, demo_corpus, tmp_path):

@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -228,3 +229,22 @@ def test_root_cause_shows_the_failed_ranks_last_output(tmp_path):
     assert result.returncode == 4
     cause = result.stderr[result.stderr.index("root cause"):]
     assert "rank 1" in cause and "last output of rank 1:\nworking 1\nTraceback: boom" in cause
+
+
+def test_signal_grace_lets_ranks_finish_after_an_outside_sigterm():
+    """A TERM from outside gives the ranks `signal_grace` (e.g. to save a checkpoint), not the short failure grace."""
+    from megatron_ds.runtime.supervisor import RankSpec, supervise
+
+    slow_exit = [PY, "-c", "import signal, sys, time\n"
+                 "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2), sys.exit(0)))\n"
+                 "time.sleep(60)"]
+    specs = [RankSpec(rank=r, local_rank=r, argv=slow_exit, env=clean_env(), cpus=None) for r in range(2)]
+    def terminate_soon():
+        time.sleep(1.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    for grace, signal_grace, expected in ((0.5, None, 128 + signal.SIGKILL), (0.5, 30, 0)):
+        threading.Thread(target=terminate_soon, daemon=True).start()
+        start = time.monotonic()
+        assert supervise(specs, grace=grace, signal_grace=signal_grace) == expected
+        assert time.monotonic() - start < 10
