@@ -97,9 +97,11 @@ sqsh:
 # intel_extension_for_pytorch 2.1 + oneccl_bind_pt); its API is checked statically against its source.
 TORCH21_VENV  ?= .venv-torch21
 TORCH21_TESTS ?= tests/training tests/model tests/parallel tests/images/test_oldest_stack.py
-# DeepSpeed 0.19.8's ZeRO 1-3 needs a newer torch than 2.1 (count_used_parameters_in_backward; gloo
-# _allgather_base): not a megatron_ds limit, and the MS-AMP image runs ZeRO on DeepSpeed 0.13.1 on GPUs.
-TORCH21_DESELECT ?= -k "not test_zero_stages_match_zero0"
+# Deselected, not megatron_ds limits: DeepSpeed 0.19.8's ZeRO 1-3 needs a newer torch than 2.1
+# (count_used_parameters_in_backward; gloo _allgather_base), and DeepSpeed's own bf16 gradient all-reduce
+# fails on torch 2.1's gloo (no bf16 all_reduce: "Invalid scalar type"). The MS-AMP image runs both on
+# GPUs (NCCL) with DeepSpeed 0.13.1.
+TORCH21_DESELECT ?= -k "not test_zero_stages_match_zero0 and not test_bf16_without_zero_matches_zero1"
 .PHONY: test-torch21 oldest-stack-sources
 
 test-torch21: oldest-stack-sources
