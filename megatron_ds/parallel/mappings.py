@@ -19,6 +19,9 @@ def _size(group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+        # gloo before torch 2.2 cannot sum 16-bit floats ("Invalid scalar type"): sum in fp32, round once
+        return _all_reduce(x.float(), group).to(x.dtype)
     x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still hold
     dist.all_reduce(x, group=group)
     return x
@@ -38,6 +41,9 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=group)
         return out
+    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+        # gloo rejects 16-bit floats (and int16) in all_gather; moving their bytes is exact
+        return _all_gather(x.view(torch.uint8), dim, group).view(x.dtype)
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
