@@ -131,11 +131,25 @@ def bind_cpus(plan: Plan, local_rank: int, env: Mapping[str, str]) -> tuple[int,
     return cpus
 
 
+def rank_ld_preload(env: Mapping[str, str]) -> str | None:
+    """LD_PRELOAD for rank processes: MDS_RANK_LD_PRELOAD first (e.g. the MS-AMP image's libmsamp_dist.so
+    and its NCCL), then whatever the user preloads. Only ranks get it: the launcher, builds and shells
+    must not load MS-AMP's NCCL interposer."""
+    extra = [lib for lib in env.get("MDS_RANK_LD_PRELOAD", "").split(":") if lib]
+    if not extra:
+        return None
+    user = [lib for lib in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if lib and lib not in extra]
+    return ":".join(extra + user)
+
+
 def rank_specs(plan: Plan, argv: list[str], base_env: dict[str, str]) -> list[RankSpec]:
     specs = []
     for info in plan.ranks():
         env = dict(base_env)
         env.update(rank_env(info))
+        preload = rank_ld_preload(env)
+        if preload:
+            env["LD_PRELOAD"] = preload
         specs.append(RankSpec(info.rank, info.local_rank, list(argv), env, bind_cpus(plan, info.local_rank, env)))
     return specs
 
@@ -144,6 +158,9 @@ def enter_rank(plan: Plan, *, strict: bool = False) -> None:
     """Make this process the plan's rank: profile variables, rank variables, CPU binding."""
     prepare_env(plan, os.environ, strict=strict)
     os.environ.update(rank_env(plan.info))
+    preload = rank_ld_preload(os.environ)
+    if preload:
+        os.environ["LD_PRELOAD"] = preload  # for the exec'd command (entrypoint launch)
     cpus = bind_cpus(plan, plan.info.local_rank, os.environ)
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -176,7 +193,13 @@ def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, pro
             argv = [sys.executable, "-m", "entrypoint", *child_argv]
             return spawn_ranks(plan, argv, strict=strict, grace=grace, signal_grace=signal_grace, label=label,
                                tee_dir=tee_dir)
+        preloaded = os.environ.get("LD_PRELOAD")
         enter_rank(plan, strict=strict)
+        if os.environ.get("LD_PRELOAD") != preloaded:
+            # a preload only takes effect at process start: run this rank again, now with it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(sys.executable, [sys.executable, "-m", "entrypoint", *child_argv])
     except (DiscoveryError, ProfileError) as err:
         print(f"entrypoint: {err}", file=sys.stderr)
         return USAGE_ERROR

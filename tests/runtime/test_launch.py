@@ -248,3 +248,29 @@ def test_signal_grace_lets_ranks_finish_after_an_outside_sigterm():
         start = time.monotonic()
         assert supervise(specs, grace=grace, signal_grace=signal_grace) == expected
         assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("mode", ["spawn", "exec"])
+def test_rank_ld_preload_reaches_ranks_only(tmp_path, mode):
+    """MDS_RANK_LD_PRELOAD (the MS-AMP image's libmsamp_dist.so) is preloaded into rank processes, not the launcher."""
+    show = [PY, "-c", "import os; maps = open('/proc/self/maps').read(); "
+            "print('PRELOAD', os.environ.get('LD_PRELOAD'), 'libz.so' in maps)"]
+    env = clean_env(MDS_RANK_LD_PRELOAD="libz.so.1")
+    if mode == "exec":
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = _run([ENTRYPOINT, "launch", "--nproc-per-node", "2", "--", *show], env=env)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("PRELOAD")]
+    assert lines == ["PRELOAD libz.so.1 True"] * (2 if mode == "spawn" else 1), result.stdout
+
+
+def test_in_process_rank_reexecs_itself_with_the_rank_preload():
+    """`entrypoint train` runs its rank in-process: become_rank re-runs the process so the preload takes effect."""
+    show = [PY, "-c", "import os; print('PRELOAD', os.environ.get('LD_PRELOAD'), 'libz.so' in open('/proc/self/maps').read())"]
+    code = ("import sys; from megatron_ds.runtime.bootstrap import become_rank; "
+            f"print('RESULT', become_rank(['launch', '--', *{show!r}]))")
+    env = clean_env(MDS_RANK_LD_PRELOAD="libz.so.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = _run([PY, "-c", code], env=env)
+    assert result.returncode == 0, result.stderr
+    assert "PRELOAD libz.so.1 True" in result.stdout and "RESULT" not in result.stdout, result.stdout
