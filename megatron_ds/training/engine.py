@@ -8,7 +8,6 @@ what --no-pipeline-parallel asks for.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -79,10 +78,11 @@ class AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if self.norm_fn is not None:
-            norm = self.norm_fn()
+            norm = self.norm_fn()  # a device tensor: no host synchronisation per step
             self._global_grad_norm = norm
-            if self.max_norm > 0 and math.isfinite(norm) and norm > self.max_norm:
-                scale = self.max_norm / (norm + 1e-6)
+            if self.max_norm > 0:
+                clip = torch.isfinite(norm) & (norm > self.max_norm)
+                scale = torch.where(clip, self.max_norm / (norm + 1e-6), torch.ones_like(norm)).float()
                 for group in self.param_groups:
                     for p in group["params"]:
                         if p.grad is not None:
@@ -114,15 +114,15 @@ def grad_norm_fn(module: torch.nn.Module, state: ParallelState, pipelined: bool)
             continue
         counted.append(p)
 
-    def norm() -> float:
-        total = torch.zeros(1, dtype=torch.float64, device=counted[0].device if counted else "cpu")
+    def norm() -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=counted[0].device if counted else "cpu")
         for p in counted:
             if p.grad is not None:
                 total += p.grad.detach().double().pow(2).sum()
         for size, group in ((state.tp_size, state.tp_group), (state.pp_size, state.pp_group)):
             if size > 1:
                 dist.all_reduce(total, group=group)
-        return float(total.sqrt())
+        return total.sqrt()  # 0-dim fp64 on the gradients' device
 
     return norm
 

@@ -44,6 +44,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class IntervalTimer:
+    """Wall time of the training steps between two log points.
+
+    The device is synchronised only where the timer starts, pauses or is read (log points, around
+    evaluation and saving), never per step: a per-step synchronisation leaves the GPU idle while the
+    host prepares the next step.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.elapsed, self.t0 = device, 0.0, None
+
+    def start(self) -> None:
+        _sync(self.device)
+        self.t0 = time.perf_counter()
+
+    def pause(self) -> None:
+        _sync(self.device)
+        self.elapsed += time.perf_counter() - self.t0
+
+    def take(self) -> float:
+        """Seconds since the last take (paused spans left out); the timer keeps running."""
+        self.pause()
+        elapsed, self.elapsed = self.elapsed, 0.0
+        self.t0 = time.perf_counter()
+        return elapsed
+
+
 class Trainer:
     """One training run. `run()` returns the process exit code."""
 
@@ -107,19 +134,22 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------------------------
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.state.dp_size > 1:
             value = value.detach().clone()
             dist.all_reduce(value, group=self.state.dp_group)
             value /= self.state.dp_size
-        return float(value)
+        return value
 
-    def train_step(self, first_sample: int) -> float:
-        """One global batch: forward/backward over the micro-batches, one optimizer step. Returns mean loss."""
+    def train_step(self, first_sample: int) -> torch.Tensor:
+        """One global batch: forward/backward over the micro-batches, one optimizer step.
+
+        Returns the mean loss as a device tensor (reading it would synchronise with the device).
+        """
         batches = self._batches(self.train_ds, first_sample)
         if self.pipelined:
             loss = self.engine.train_batch(iter(batches) if self._needs_data() else None)
-            return float(loss)  # averaged over micro-batches and DP, broadcast to every stage
+            return loss.detach().float().clone()  # averaged over micro-batches and DP, on every stage
         self.engine.train()
         total = torch.zeros((), device=self.device)
         for tokens, labels in batches:
@@ -143,7 +173,7 @@ class Trainer:
                 total = torch.zeros((), device=self.device)
                 for tokens, labels in batches:
                     total += self.engine(tokens, labels).mean().float()
-                losses.append(self._dp_mean(total / len(batches)))
+                losses.append(float(self._dp_mean(total / len(batches))))
         self.engine.train()
         return sum(losses) / max(1, len(losses)), args.eval_iters * args.global_batch_size
 
@@ -178,37 +208,40 @@ class Trainer:
         st = st or TrainState()
         stop = checkpoint.StopAgreement(handle_signals=args.exit_signal_handler,
                                         exit_duration_mins=args.exit_duration_in_mins).install()
-        log_losses, log_times = [], []
+        # Loss summed on the device over the steps since the last log line; read only at log points.
+        interval_loss, interval_steps = torch.zeros((), device=self.device), 0
         interval_start_skips = self.engine.skipped_steps
+        timer = IntervalTimer(self.device)
         reason = None
 
         def log_interval_end(lr: float) -> None:  # the mean loss and step time since the last log line
-            nonlocal log_losses, log_times, interval_start_skips
-            stats = StepStats(st.iteration, st.consumed_train_samples, sum(log_losses) / len(log_losses), lr,
-                              self._grad_norm(), self._loss_scale(), sum(log_times) / len(log_times))
+            nonlocal interval_loss, interval_steps, interval_start_skips
+            step_time = timer.take() / interval_steps
+            stats = StepStats(st.iteration, st.consumed_train_samples, float(interval_loss) / interval_steps, lr,
+                              self._grad_norm(), self._loss_scale(), step_time)
             self.metrics.log_train(stats, skipped=self.engine.skipped_steps - interval_start_skips)
-            log_losses, log_times = [], []
+            interval_loss, interval_steps = torch.zeros((), device=self.device), 0
             interval_start_skips = self.engine.skipped_steps
         try:
+            timer.start()
             while st.iteration < args.train_iters:
                 lr = self._lr()
-                _sync(self.device)
-                t0 = time.perf_counter()
-                loss = self.train_step(st.consumed_train_samples)
-                _sync(self.device)
-                step_time = time.perf_counter() - t0
+                interval_loss += self.train_step(st.consumed_train_samples)
+                interval_steps += 1
                 st.iteration += 1
                 st.consumed_train_samples += args.global_batch_size
-                log_losses.append(loss)
-                log_times.append(step_time)
                 if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
                     log_interval_end(lr)
                 if self.valid_ds is not None and args.eval_iters > 0 and st.iteration % args.eval_interval == 0:
+                    timer.pause()
                     val, used = self.evaluate(self.valid_ds, st.consumed_valid_samples)
                     st.consumed_valid_samples += used
                     self.metrics.log_eval(st.iteration, st.consumed_train_samples, val)
+                    timer.start()
                 if args.save and args.save_interval and st.iteration % args.save_interval == 0:
+                    timer.pause()
                     checkpoint.save(self.engine, args, st)
+                    timer.start()
                 if args.exit_interval and st.iteration % args.exit_interval == 0:
                     reason = f"--exit-interval {args.exit_interval} reached at iteration {st.iteration}"
                     break
@@ -216,7 +249,7 @@ class Trainer:
                     reason = stop.should_stop()  # collective: all ranks stop at the same iteration
                     if reason is not None:
                         break
-            if log_losses:  # stopped between two log lines: report the steps since the last one
+            if interval_steps:  # stopped between two log lines: report the steps since the last one
                 log_interval_end(lr)
             if reason is None and self.valid_ds is not None and args.eval_iters > 0 and \
                     args.train_iters % args.eval_interval != 0:
