@@ -27,7 +27,7 @@ $(READY): pyproject.toml
 demo: $(READY)
 	$(PY) -m megatron_ds.demo
 
-test: $(READY)
+test: $(READY) oldest-stack-sources
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # GPU benchmarks (bench/device.sh lists the stages: headline single1 single2 longseq scaling big gputests).

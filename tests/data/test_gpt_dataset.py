@@ -137,6 +137,7 @@ BUILD = textwrap.dedent("""
             build_gpt_datasets([sys.argv[1] + "_empty"], "1", 8, 1, (10, 0, 0), cache_dir=sys.argv[2])
         except ValueError as e:
             print("FAILED:", e)
+        dist.destroy_process_group()  # gloo's threads must be joined before the interpreter exits
 """)
 
 

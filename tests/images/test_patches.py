@@ -188,12 +188,12 @@ def test_repository_patches_hold_no_upstream_files():
         assert "new file mode" not in patch.read_text(), f"{patch}: adds a whole file"
 
 
+@pytest.mark.upstream_src
 def test_msamp_series_applies_to_pinned_upstream():
-    """`git apply --check` of patches/msamp against MS-AMP v0.4.0 when a checkout is at hand
-    (MDS_MSAMP_SRC=/path/to/MS-AMP at 51f34acd...); CI has no GitHub access, so it is skipped there."""
+    """`git apply --check` of patches/msamp against MS-AMP v0.4.0 (MDS_MSAMP_SRC=/path/to/MS-AMP at 51f34acd...).
+    CI has no GitHub access, so this runs only when asked: `pytest -m upstream_src tests/images`."""
     source = os.environ.get("MDS_MSAMP_SRC")
-    if not source:
-        pytest.skip("MS-AMP source not at hand: set MDS_MSAMP_SRC to a checkout of Azure/MS-AMP at v0.4.0")
+    assert source, "set MDS_MSAMP_SRC to a checkout of Azure/MS-AMP at v0.4.0 (51f34acd...)"
     result = subprocess.run([sys.executable, str(APPLY), "msamp", "--source", source, "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
