@@ -23,7 +23,7 @@ For the training loop:
   dropout on replicated activations must draw the same mask there. Under SP each rank keeps its
   rows of the full-sequence mask; attention dropout (on this rank's heads) draws from a per-rank
   stream derived from the shared one. Both replay under activation checkpointing.
-- Logits stay in the params dtype; the loss is computed in fp32 on one working copy of them.
+- Logits stay in the params dtype; the loss is computed in fp32 chunk by chunk (no full fp32 copy).
 """
 
 from __future__ import annotations

@@ -216,6 +216,31 @@ def test_cross_entropy_single_process_bf16_input():
     close(loss, expected.view(S, B), "bf16-input loss")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_chunking_changes_nothing_and_saves_no_fp32_logits(dtype):
+    """Token chunks of any size give the same loss and gradient bit for bit; with bf16 logits no fp32
+    tensor of the logits' size is kept for backward (the memory a full fp32 copy would cost)."""
+    d = inputs()
+    results = []
+    for chunk_elements in (1, 3 * VOCAB, 1 << 26):  # one token per chunk, 3 tokens (uneven), everything
+        logits = d["logits"].to(dtype).requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = vocab_parallel_cross_entropy(logits, d["labels"], chunk_elements=chunk_elements)
+        (loss * d["dloss"]).sum().backward()
+        results.append((loss.detach(), logits.grad))
+        if dtype == torch.bfloat16:
+            assert not any(t.dtype == torch.float32 and t.numel() >= logits.numel() for t in saved)
+    for loss, grad in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
+    logits = d["logits"].to(dtype).float().requires_grad_()
+    expected = F.cross_entropy(logits.view(-1, VOCAB), d["labels"].view(-1), reduction="none").view(S, B)
+    (expected * d["dloss"]).sum().backward()
+    close(results[0][0], expected.detach(), f"{dtype} loss")
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is rounded to bf16
+    assert (results[0][1].float() - logits.grad).abs().max() <= tol * logits.grad.abs().max() + 1e-6
+
+
 def test_mappings_are_conjugate_pairs(tp2):
     base = torch.arange(1.0, 1.0 + 4 * 2).reshape(4, 2)
     x = [(r + 1) * base for r in range(TP)]  # rank r's input
