@@ -47,4 +47,11 @@ class MicroBatches:
             rows = [np.asarray(self.dataset[(start + j) % len(self.dataset)], dtype=np.int64)
                     for j in range(self.mbs)]
             batch = torch.from_numpy(np.stack(rows))  # [b, s+1]
-            yield (batch[:, :-1].contiguous().to(self.device), batch[:, 1:].contiguous().to(self.device))
+            tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            if self.device.type == "cuda":
+                # From pinned memory the copy is asynchronous: a pageable one would make the host wait
+                # for all queued GPU work (a synchronisation per micro-batch).
+                yield tokens.pin_memory().to(self.device, non_blocking=True), \
+                    labels.pin_memory().to(self.device, non_blocking=True)
+            else:
+                yield tokens, labels
