@@ -6,8 +6,9 @@
 Everything after `--` goes to `entrypoint train` unchanged. The harness adds what a measurement needs:
 real data through the real data path (a synthetic Megatron indexed dataset of uniform random tokens,
 written once by our IndexedDatasetWriter, GPT-2's vocabulary size via NullTokenizer unless the flags name
---data-path), --train-iters, --log-interval 1 and --metrics-file. It drops the first --warmup-steps
-iterations and reports medians of tokens/s, TFLOP/s per GPU, MFU, step time and peak memory, and writes
+--data-path), --train-iters, --log-interval 1 (unless the flags give one: with N > 1 each record averages N
+steps and the device is synchronised once per N, as in real training) and --metrics-file. It drops the
+records up to iteration --warmup-steps and reports medians of tokens/s, TFLOP/s per GPU, MFU, step time and peak memory, and writes
 bench/results/<name>.json (command, git commit, GPU, torch, DeepSpeed, date, per-step metrics, the console
 tail) and refreshes the table in bench/RESULTS.md. With --baseline it then runs
 bench/baseline_hf_deepspeed.py on the same shape, batch and ZeRO stage in the same call and reports
@@ -75,9 +76,10 @@ def _train_launcher() -> list[str]:
 
 
 def train_command(flags: list[str], *, steps: int, metrics_file: Path, data_prefix: Path | None) -> list[str]:
-    cmd = [*_train_launcher(), *flags, "--train-iters", str(steps), "--log-interval", "1",
-           "--metrics-file", str(metrics_file)]
-    defaults = [("--lr", ["--lr", "1e-4"]), ("--eval-iters", ["--eval-iters", "0"]),
+    cmd = [*_train_launcher(), *flags, "--train-iters", str(steps), "--metrics-file", str(metrics_file)]
+    # --log-interval N in the flags: each record is an N-step average, timed with one device sync per N steps
+    defaults = [("--log-interval", ["--log-interval", "1"]), ("--lr", ["--lr", "1e-4"]),
+                ("--eval-iters", ["--eval-iters", "0"]),
                 ("--split", ["--split", "100,0,0"])]
     if data_prefix is not None:
         defaults += [("--data-path", ["--data-path", str(data_prefix)]),
