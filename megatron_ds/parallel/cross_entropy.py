@@ -46,7 +46,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         chunks = _row_chunks(logits.size(0), vocab_local, chunk_elements)
 
         # max is exact in any float dtype; the subtractions below promote to fp32 inside the kernel
-        max_logit = _all_reduce(logits.max(dim=-1).values.float(), dist.ReduceOp.MAX, group)
+        max_logit = _all_reduce(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
 
         target = logits.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).float() - max_logit
         target = _all_reduce(target.masked_fill(outside, 0.0), dist.ReduceOp.SUM, group)
