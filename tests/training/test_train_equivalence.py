@@ -190,6 +190,20 @@ def test_bf16_without_zero_matches_zero1(tmp_path_factory, demo_corpus):
     assert_same_losses(zero0, zero1, rel=1e-4)
 
 
+def test_log_interval_averages_the_steps_between_log_points(tmp_path_factory, demo_corpus, gpt_baseline):
+    """The loop keeps losses on the device and reads them only at log points: a record holds the mean loss of
+    the steps since the previous one, the last step's gradient norm and the interval's time per step."""
+    run = run_train(tmp_path_factory, demo_corpus, "gpt_log2", GPT, ["--log-interval", "2"])
+    ref = {r["iteration"]: r for r in gpt_baseline["train"]}
+    assert [r["iteration"] for r in run["train"]] == [2, 4, 5]
+    for r, steps in zip(run["train"], ([1, 2], [3, 4], [5])):
+        mean = sum(ref[i]["lm_loss"] for i in steps) / len(steps)
+        assert r["lm_loss"] == pytest.approx(mean, rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(ref[steps[-1]]["grad_norm"], rel=1e-6)
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] * r["step_time_s"] == pytest.approx(4 * 64, rel=1e-6)
+    assert " iteration        4/       5 | consumed samples:           16 |" in run["stdout"]
+
+
 def test_exit_interval_stops_at_that_iteration(tmp_path_factory, demo_corpus, gpt_baseline):
     run = run_train(tmp_path_factory, demo_corpus, "gpt_exit2", GPT, ["--exit-interval", "2"])
     assert [r["iteration"] for r in run["train"]] == [1, 2]
