@@ -104,6 +104,8 @@ class _Encoder:
                     if missing:
                         k = missing[0]
                         reason = f"missing key {k!r}" if k not in doc else f"key {k!r} is not a string"
+                    elif b"\\ud" in raw or b"\\uD" in raw:  # a \u escape may be half a UTF-16 pair
+                        reason = _lone_surrogate(doc, self.keys)
             if reason:
                 bad.append((lineno, reason))
                 continue
@@ -119,6 +121,17 @@ class _Encoder:
             lengths[k] = np.fromiter((len(s) for s in ids), np.int32, len(ids))
             tokens[k] = np.fromiter(itertools.chain.from_iterable(ids), self.dtype, int(lengths[k].sum()))
         return _Chunk(tokens, lengths, bad, len(texts[self.keys[0]]), nbytes)
+
+
+def _lone_surrogate(doc: dict, keys: tuple[str, ...]) -> str | None:
+    """Why the text is not valid Unicode (a \\uD800-\\uDFFF escape without its other half), or None."""
+    for k in keys:
+        try:
+            doc[k].encode("utf-8")
+        except UnicodeEncodeError as e:
+            half = ord(doc[k][e.start])
+            return f"key {k!r} has a lone surrogate \\u{half:04x} (half a UTF-16 pair), not valid Unicode"
+    return None
 
 
 _worker: _Encoder | None = None

@@ -96,6 +96,8 @@ BAD_LINES = [
     (b'{"text": "fine"}\n\n{"text": "caf\xe9"}\n', 3, "not valid UTF-8"),
     (b'[1, 2]\n', 1, "expected a JSON object"),
     (b'\xef\xbb\xbf{"text": "a BOM on line 1 is fine"}\n\xef\xbb\xbf{"text": "not on line 2"}\n', 2, "invalid JSON"),
+    (b'{"text": "a pair \\ud83d\\ude80 is fine"}\n{"text": "half \\uD83D a pair"}\n', 2,
+     "key 'text' has a lone surrogate \\ud83d (half a UTF-16 pair), not valid Unicode"),
 ]
 
 
@@ -116,8 +118,8 @@ def test_skip_bad_lines_counts_and_reports(tmp_path, gpt2_files, capsys):
     assert main(["--input", str(src), "--output-prefix", out, "--skip-bad-lines", "--no-progress",
                  *gpt2_flags(gpt2_files)]) == 0
     printed = capsys.readouterr().out
-    assert "skipped 7 bad lines" in printed and f"{src}:4: missing key 'text'" in printed
-    assert len(IndexedDataset(out + "_text_document")) == 4  # the four good lines (BOMs past line 1 are bad)
+    assert "skipped 8 bad lines" in printed and f"{src}:4: missing key 'text'" in printed
+    assert len(IndexedDataset(out + "_text_document")) == 5  # the five good lines (BOMs past line 1 are bad)
 
 
 @pytest.mark.parametrize("args, message", [
