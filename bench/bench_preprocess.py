@@ -62,8 +62,9 @@ def write_input(path: Path, texts: list[str], megabytes: float) -> int:
     return written
 
 
-def tokenizer_only(src: Path, vocab: str, merges: str, limit: int = 4_000_000) -> float:
-    """MB per CPU-second of the Rust tokenizer by itself on the first ``limit`` bytes: the ceiling for a worker."""
+def tokenizer_only(src: Path, vocab: str, merges: str, limit: int = 4_000_000) -> tuple[float, str]:
+    """MB per CPU-second of the tokenizer by itself on the first ``limit`` bytes (the ceiling for a worker), and
+    its backend (tiktoken or tokenizers)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from megatron_ds.data.tokenizers import build_tokenizer
 
@@ -78,7 +79,7 @@ def tokenizer_only(src: Path, vocab: str, merges: str, limit: int = 4_000_000) -
     tok.tokenize_batch(texts[:20])
     start = time.process_time()
     tok.tokenize_batch(texts)
-    return size / 1e6 / (time.process_time() - start)
+    return size / 1e6 / (time.process_time() - start), tok.backend
 
 
 def cpu_model() -> str:
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({run['mb_per_s_loop']:.2f} MB/s in the loop), {run['tokens_per_s_wall']:,} tokens/s, "
               f"{run['mb_per_cpu_s']:.2f} MB per CPU-second, "
               f"load {load_before[0]:.1f}")
-    ceiling = tokenizer_only(src, vocab, merges)
-    print(f"the tokenizers library alone (encode_batch, one thread, no pipeline): {ceiling:.2f} MB per CPU-second")
+    ceiling, backend = tokenizer_only(src, vocab, merges)
+    print(f"the tokenizer alone ({backend}, one thread, no pipeline): {ceiling:.2f} MB per CPU-second")
     identical = all(o == outputs[(0, args.workers[0])] for o in outputs.values())
     by_workers = {w: min((r for r in runs if r["workers"] == w), key=lambda r: r["wall_s"]) for w in args.workers}
     speedup = (by_workers[1]["wall_s"] / by_workers[2]["wall_s"]) if 1 in by_workers and 2 in by_workers else None
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()}, **environment(),
         "input": {"path": str(src), "bytes": size, "documents_source": "stdlib .py sources, sorted, cycled"},
         "tokenizer": {"vocab_file": vocab, "merge_file": merges, "vocab_size": args.vocab_size},
-        "tokenizer_only_mb_per_cpu_s": round(ceiling, 3), "runs": runs, "best": list(by_workers.values()), "outputs_identical": identical, "speedup_2_over_1": round(speedup, 3) if speedup else None,
+        "tokenizer_backend": backend, "tokenizer_only_mb_per_cpu_s": round(ceiling, 3), "runs": runs, "best": list(by_workers.values()), "outputs_identical": identical, "speedup_2_over_1": round(speedup, 3) if speedup else None,
         "targets": {"mb_per_s_per_worker": 5.0, "speedup_2_over_1": 1.6},
     }
     record["meets_targets"] = bool(identical and all(r["mb_per_s_per_worker_wall"] >= 5.0 for r in by_workers.values())

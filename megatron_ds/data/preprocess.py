@@ -75,8 +75,8 @@ class _Chunk:
 
 
 class _Encoder:
-    def __init__(self, spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool):
-        self.tokenizer = spec.build()
+    def __init__(self, spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool, tokenizer=None):
+        self.tokenizer = tokenizer or spec.build()
         self.keys, self.append_eod = keys, append_eod
         self.dtype = best_dtype(self.tokenizer.vocab_size)
 
@@ -272,7 +272,7 @@ def preprocess(input: str, output_prefix: str, spec: TokenizerSpec, *, json_keys
 
             tasks = read_tasks()
             if workers == 1:
-                encoder = _Encoder(spec, keys, append_eod)
+                encoder = _Encoder(spec, keys, append_eod, tokenizer)
                 chunks = map(encoder.encode, tasks)
             else:
                 ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()

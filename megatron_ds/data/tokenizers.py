@@ -91,9 +91,16 @@ class GPT2BPETokenizer(_RustTokenizer):
         if eod is None:
             raise TokenizerError("--vocab-file", f"{vocab_file} has no {EOD_TEXT} token (the end-of-document id)")
         self.eod = eod
-        # The files are valid (`tokenizers` loaded them); encode with tiktoken where it gives the same ids.
-        self._fast = _tiktoken_encoder(tok.get_vocab(with_added_tokens=False), merge_file)
-        self.backend = "tiktoken" if self._fast else "tokenizers"
+        self._merge_file = merge_file
+
+    @functools.cached_property
+    def _fast(self) -> Callable[[str], list[int]] | None:
+        """tiktoken's encoder where it gives the same ids; built on first use (the preprocess parent never encodes)."""
+        return _tiktoken_encoder(self._tok.get_vocab(with_added_tokens=False), self._merge_file)
+
+    @property
+    def backend(self) -> str:
+        return "tokenizers" if self._fast is None else "tiktoken"
 
     def tokenize(self, text: str) -> list[int]:
         if self._fast is None:
