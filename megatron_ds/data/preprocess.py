@@ -80,12 +80,14 @@ class _Encoder:
         self.keys, self.append_eod = keys, append_eod
         self.dtype = best_dtype(self.tokenizer.vocab_size)
 
-    def encode(self, task: tuple[int, list[bytes]]) -> _Chunk:
-        first_line, lines = task
+    def encode(self, task: tuple[int, bytes]) -> _Chunk:
+        first_line, block = task
         texts: dict[str, list[str]] = {k: [] for k in self.keys}
         bad: list[tuple[int, str]] = []
         nbytes = 0
-        for lineno, raw in enumerate(lines, first_line):
+        for lineno, raw in enumerate(block.split(b"\n"), first_line):
+            if not raw.strip():  # blank lines (and the empty piece after the block's last newline)
+                continue
             reason = None
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark is not part of the JSON
                 raw = raw[3:]
@@ -111,7 +113,7 @@ class _Encoder:
                 continue
             for k in self.keys:
                 texts[k].append(doc[k])
-            nbytes += len(raw)
+            nbytes += len(raw) + 1  # with its newline
         tokens, lengths = {}, {}
         for k in self.keys:
             ids = self.tokenizer.tokenize_batch(texts[k]) if texts[k] else []
@@ -144,30 +146,22 @@ def _init_worker(spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool) -
     _worker = _Encoder(spec, keys, append_eod)
 
 
-def _encode_in_worker(task: tuple[int, list[bytes]]) -> _Chunk:
+def _encode_in_worker(task: tuple[int, bytes]) -> _Chunk:
     return _worker.encode(task)
 
 
-def _read_chunks(lines, chunk_bytes: int):
-    """(first line number, [line bytes]) of about chunk_bytes each; blank lines are dropped."""
-    batch: list[bytes] = []
-    first, size = 1, 0
-    for lineno, line in enumerate(lines, 1):
-        if not batch:
-            first = lineno
-        if line.strip():
-            batch.append(line)
-            size += len(line)
-        else:  # keep line numbers right: a blank line ends the chunk so numbering stays contiguous
-            if batch:
-                yield first, batch
-            batch, size = [], 0
-            continue
-        if size >= chunk_bytes:
-            yield first, batch
-            batch, size = [], 0
-    if batch:
-        yield first, batch
+def _read_chunks(stream, chunk_bytes: int):
+    """(first line number, block of whole lines) of about chunk_bytes each. The workers split the lines:
+    the parent only reads and counts newlines, so it stays off the cores the workers need."""
+    first = 1
+    while True:
+        block = stream.read(chunk_bytes)
+        if not block:
+            return
+        if not block.endswith(b"\n"):
+            block += stream.readline()  # finish the last line
+        yield first, block
+        first += block.count(b"\n")
 
 
 def _ordered(pool, tasks, window: int):
@@ -217,7 +211,7 @@ class _Progress:
 
 @contextlib.contextmanager
 def _open_input(path: str):
-    """Yields (binary line iterator, raw file whose tell() is the position in the file on disk)."""
+    """Yields (binary stream of the text, raw file whose tell() is the position in the file on disk)."""
     opener = _OPENERS.get(os.path.splitext(path)[1])
     with open(path, "rb") as raw:
         if opener is None:
