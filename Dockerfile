@@ -6,6 +6,7 @@ ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:24.12-py3
 FROM ${BASE_IMAGE}
 
 ARG BASE_IMAGE
+# sources for these pins (and which are unverified): the comments in cuda/versions
 ARG PYTHON_VERSION=3.12
 ARG TORCH_VERSION=2.6.0a0+df5bbc09d1
 ARG CUDA_VERSION=12.6.3

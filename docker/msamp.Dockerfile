@@ -7,6 +7,7 @@ ARG MSAMP_BASE_IMAGE=nvcr.io/nvidia/pytorch:23.10-py3
 FROM ${MSAMP_BASE_IMAGE}
 
 ARG MSAMP_BASE_IMAGE
+# sources for the NGC 23.10 pins: the comments in cuda/versions
 ARG MSAMP_PYTHON_VERSION=3.10
 ARG MSAMP_TORCH_VERSION=2.1.0a0+32f93b1
 ARG MSAMP_CUDA_VERSION=12.2.2

@@ -6,6 +6,7 @@ ARG BASE_IMAGE=rocm/pytorch:rocm6.2.3_ubuntu22.04_py3.10_pytorch_release_2.3.0
 FROM ${BASE_IMAGE}
 
 ARG BASE_IMAGE
+# sources for the base tag and its versions: the comments in rocm/versions
 ARG PYTHON_VERSION=3.10
 ARG TORCH_VERSION=2.3.0
 ARG ROCM_VERSION=6.2.3
