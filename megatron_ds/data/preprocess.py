@@ -16,7 +16,6 @@ import gzip
 import itertools
 import json
 import lzma
-import multiprocessing
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ import numpy as np
 
 from megatron_ds.data.indexed import IndexedDatasetWriter, best_dtype
 from megatron_ds.data.tokenizers import TOKENIZER_TYPES, TokenizerError, build_tokenizer
+from megatron_ds.data.workers import OrderedWorkers, WorkerError
 
 CHUNK_BYTES = 256 * 1024  # text per worker task: large enough to amortise IPC, small enough to balance
 _OPENERS = {".gz": lambda raw: gzip.GzipFile(fileobj=raw), ".xz": lzma.LZMAFile, ".bz2": bz2.BZ2File}
@@ -140,8 +140,6 @@ _worker: _Encoder | None = None
 
 
 def _init_worker(spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates us
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler: Pool.terminate() must kill us
     global _worker
     _worker = _Encoder(spec, keys, append_eod)
 
@@ -162,17 +160,6 @@ def _read_chunks(stream, chunk_bytes: int):
             block += stream.readline()  # finish the last line
         yield first, block
         first += block.count(b"\n")
-
-
-def _ordered(pool, tasks, window: int):
-    """Results of pool tasks in submission order, with at most ``window`` in flight (bounded memory)."""
-    pending: deque = deque()
-    for task in tasks:
-        pending.append(pool.apply_async(_encode_in_worker, (task,)))
-        if len(pending) >= window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 class _Progress:
@@ -269,12 +256,9 @@ def preprocess(input: str, output_prefix: str, spec: TokenizerSpec, *, json_keys
                 encoder = _Encoder(spec, keys, append_eod, tokenizer)
                 chunks = map(encoder.encode, tasks)
             else:
-                ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                                  else "spawn")
-                pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, keys, append_eod))
-                stack.callback(pool.join)
-                stack.callback(pool.terminate)
-                chunks = _ordered(pool, tasks, window=4 * workers)
+                pool = stack.enter_context(OrderedWorkers(workers, _encode_in_worker, _init_worker,
+                                                          (spec, keys, append_eod)))
+                chunks = pool.map(tasks)
             bar = _Progress(total, log_interval, progress)
             stack.callback(bar.close)
             for chunk in chunks:
@@ -348,6 +332,9 @@ def main(argv: list[str]) -> int:
     except (PreprocessError, TokenizerError) as e:
         print(f"entrypoint preprocess: {e}", file=sys.stderr)
         return 2
+    except WorkerError as e:
+        print(f"entrypoint preprocess: {e}\nno output written", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("entrypoint preprocess: interrupted; no output written", file=sys.stderr)
         return 128 + received[0]
