@@ -30,7 +30,8 @@ demo: $(READY)
 test: $(READY) oldest-stack-sources
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# GPU benchmarks (bench/device.sh lists the stages: headline single1 single2 longseq scaling big gputests).
+# GPU benchmarks (bench/device.sh lists the stages: headline single1 single2 longseq scaling big gputests
+# mfu levers headline2 headline3 gpu1).
 BENCH_STAGES ?= headline
 .PHONY: bench
 bench: $(READY)

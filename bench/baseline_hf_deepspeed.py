@@ -35,6 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
+    p.add_argument("--hidden-dropout", type=float, default=0.1, help="GPT-2's resid_pdrop and embd_pdrop")
+    p.add_argument("--attention-dropout", type=float, default=0.1, help="GPT-2's attn_pdrop")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the medians")
     p.add_argument("--attn-implementation", default="sdpa", help='"sdpa" (default), "eager", ...')
@@ -67,7 +70,9 @@ def build_model(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=args.num_layers, n_embd=args.hidden_size, n_head=args.num_attention_heads,
-                        vocab_size=args.vocab_size, n_positions=args.seq_length, use_cache=False)
+                        vocab_size=args.vocab_size, n_positions=args.seq_length, use_cache=False,
+                        resid_pdrop=args.hidden_dropout, embd_pdrop=args.hidden_dropout,
+                        attn_pdrop=args.attention_dropout)
     model = GPT2LMHeadModel._from_config(config, attn_implementation=args.attn_implementation)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                   fused=device.type == "cuda")
     ds_config = {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": args.dtype == "bf16"},
         "zero_optimization": {"stage": args.zero_stage},
@@ -104,17 +109,19 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(4)]
     flops_tok = megatron_flops_per_token(args.num_layers, args.hidden_size, args.seq_length, args.vocab_size)
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    tokens_per_step = args.micro_batch_size * args.seq_length * world
+    gas = args.gradient_accumulation_steps
+    tokens_per_step = args.micro_batch_size * args.seq_length * world * gas
 
     records = []
     for step in range(1, args.steps + 1):
-        tokens = batches[step % len(batches)]
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
-        engine.step()
+        for micro in range(gas):  # DeepSpeed steps the optimizer after the last micro-batch
+            tokens = batches[(step * gas + micro) % len(batches)]
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -98,7 +98,8 @@ def resolved_shape(flags: list[str]) -> dict:
     a = parse_args(flags + ["--train-iters", "1"], env={})
     return {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
             "seq_length": a.seq_length, "micro_batch_size": a.micro_batch_size,
-            "zero_stage": a.zero_stage or 0, "nproc_per_node": a.nproc_per_node,
+            "global_batch_size": a.global_batch_size, "hidden_dropout": a.hidden_dropout,
+            "attention_dropout": a.attention_dropout, "zero_stage": a.zero_stage or 0, "nproc_per_node": a.nproc_per_node,
             "checkpoint_activations": bool(a.checkpoint_activations),
             "tensor_model_parallel_size": a.tensor_model_parallel_size,
             "pipeline_model_parallel_size": a.pipeline_model_parallel_size}
@@ -160,6 +161,14 @@ def run_ours(args, flags: list[str]) -> dict:
     return record
 
 
+def _gradient_accumulation(shape: dict) -> int:
+    """Micro-batches per optimizer step (the baseline runs on one GPU: DP = 1 unless --nproc-per-node)."""
+    if not shape["global_batch_size"]:
+        return 1
+    dp = (shape["nproc_per_node"] or 1) // (shape["tensor_model_parallel_size"] * shape["pipeline_model_parallel_size"])
+    return max(1, shape["global_batch_size"] // (shape["micro_batch_size"] * max(1, dp)))
+
+
 def run_baseline(args, flags: list[str]) -> dict:
     shape = resolved_shape(flags)
     out = args.work_dir / f"{args.name}__hf_baseline.json"
@@ -168,6 +177,8 @@ def run_baseline(args, flags: list[str]) -> dict:
            "--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
            "--num-attention-heads", str(shape["num_attention_heads"]), "--seq-length", str(shape["seq_length"]),
            "--micro-batch-size", str(shape["micro_batch_size"]), "--zero-stage", str(shape["zero_stage"]),
+           "--gradient-accumulation-steps", str(_gradient_accumulation(shape)),
+           "--hidden-dropout", str(shape["hidden_dropout"]), "--attention-dropout", str(shape["attention_dropout"]),
            "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--out", str(out),
            "--name", f"{args.name}__hf_baseline"]
     if shape["checkpoint_activations"]:

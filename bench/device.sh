@@ -27,9 +27,10 @@ GPT13="--preset GPT1_3B --bf16"
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
 
-stage_headline() {  # GPT-1.3B, one GPU, the best measured settings, against the HF baseline in the same call
+stage_headline() {  # GPT-1.3B, one GPU, against the HF baseline in the same call: defaults, then the best settings
   t 300 $B --steps 20 --warmup-steps 5 --baseline --name gpt1_3b_s2048_mbs16_z1_vs_hf -- $GPT13 \
     --micro-batch-size 16 --zero-stage 1
+  stage_headline3
 }
 
 stage_single1() {  # GPT-1.3B on one GPU: ours vs HF in one call, then what a step spends its time on
@@ -73,6 +74,46 @@ stage_scaling() {  # GPT-1.3B: data parallel 1/2/4 GPUs (per-GPU tokens/s), TP=2
     --sequence-parallel
   t 150 $B $S --name gpt1_3b_s2048_mbs8_gbs64_z1_pp2 -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
     --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
+}
+
+stage_mfu() {  # GPT-1.3B one GPU: fused cross entropy (A/B in one call), log interval, gradient accumulation
+  local S="--steps 20 --warmup-steps 5" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  t 200 $B $S --baseline --name gpt1_3b_s2048_mbs16_z1_vs_hf_fusedce -- $M
+  MDS_FUSED_CROSS_ENTROPY=0 t 100 $B $S --name gpt1_3b_s2048_mbs16_z1_eagerce -- $M
+  t 120 $B --steps 40 --warmup-steps 10 --name gpt1_3b_s2048_mbs16_z1_log5 -- $M --log-interval 5
+  t 200 $B --steps 12 --warmup-steps 3 --baseline --name gpt1_3b_s2048_mbs16_gbs64_z1_vs_hf -- $M \
+    --global-batch-size 64
+  t 150 $PYTHON bench/profile_train.py --variant compile+nodrop --out "$LOGS/profile16_compile_nodrop_fusedce.txt" -- $M
+}
+
+stage_levers() {  # GPT-1.3B one GPU, profile harness: where a step goes now, and what each lever buys
+  local M="$GPT13 --micro-batch-size 16" P="$PYTHON bench/profile_train.py"
+  t 120 $P --variant base --out "$LOGS/lever_base.txt" -- $M --zero-stage 1
+  t 120 $P --variant autocast --out "$LOGS/lever_autocast.txt" -- $M --zero-stage 0
+  t 100 $P --no-profile --variant igu --out "$LOGS/lever_igu.txt" -- $M --zero-stage 1
+  t 120 $P --no-profile --variant compile+nodrop --out "$LOGS/lever_compile_nodrop.txt" -- $M --zero-stage 1
+  t 120 $P --no-profile --variant autocast+compile+nodrop --out "$LOGS/lever_autocast_compile_nodrop.txt" -- \
+    $M --zero-stage 0
+  t 200 $B --steps 12 --warmup-steps 3 --baseline --name gpt1_3b_s2048_mbs16_gbs64_z1_vs_hf -- $M --zero-stage 1 \
+    --global-batch-size 64
+}
+
+stage_headline2() {  # GPT-1.3B one GPU with --torch-compile: dropout on / off, one step per micro-batch / four
+  local M="$GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile" S="--steps 20 --warmup-steps 5"
+  t 240 $B $S --baseline --name gpt1_3b_s2048_mbs16_z1_compile_vs_hf -- $M
+  t 300 $B --steps 10 --warmup-steps 3 --baseline --name gpt1_3b_s2048_mbs16_gbs64_z1_compile_nodrop_vs_hf -- $M \
+    --global-batch-size 64 --hidden-dropout 0 --attention-dropout 0
+}
+
+stage_headline3() {  # as headline2 without dropout, eight micro-batches per step (global batch 128)
+  t 330 $B --steps 8 --warmup-steps 3 --baseline --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_vs_hf -- \
+    $GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile --global-batch-size 128 --hidden-dropout 0 \
+    --attention-dropout 0
+}
+
+stage_gpu1() {  # the one-GPU tests: bf16 ZeRO-0 vs ZeRO-1, --torch-compile, eager vs fused cross entropy, fp16
+  MDS_GPU_REPORT="$LOGS/gpu_tests_1gpu.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "zero0 or speed_paths or fp16 or metrics"
 }
 
 stage_big() {  # GPT-13B on 4 GPUs with ZeRO-3 and activation checkpointing

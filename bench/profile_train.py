@@ -7,7 +7,11 @@ Builds exactly what `entrypoint train` builds for those flags (parse_args/valida
 build_engine) in one process, times --steps steps with CUDA sync (median after 3 warm-up steps), then
 profiles two steps and writes the top kernels/ops table. A --variant changes one thing, to measure a fix
 before anyone writes it: "cudnn" (SDPA prefers the cuDNN attention kernel), "compile" (torch.compile of
-each transformer layer), "nodrop" (dropout off), or combinations joined by "+".
+each transformer layer), "nodrop" (dropout off), "autocast" (fp32 weights, no DeepSpeed bf16 wrapper, the
+step under torch.autocast(bf16): what nanoGPT-style training does), "igu" (DeepSpeed's bf16
+immediate_grad_update), or combinations joined by "+". Step time is reported twice: the median of
+steps synchronised one by one, and the mean over the same number of steps run back to back (one
+synchronisation, as training with --log-interval > 1 runs).
 """
 
 from __future__ import annotations
@@ -58,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
                                      "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
     if "nodrop" in variants:
         train_args.hidden_dropout = train_args.attention_dropout = 0.0
+    if "autocast" in variants:
+        train_args.bf16 = False
     validate(train_args, 1)
+    if "igu" in variants:  # after validate, which reads --deepspeed_config into ds_config_file
+        train_args.ds_config_file = {**(train_args.ds_config_file or {}), "bf16": {"immediate_grad_update": True}}
     torch.cuda.set_device(0)
     state = init_parallel(train_args.tensor_model_parallel_size, train_args.pipeline_model_parallel_size, "nccl")
     tok = build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB)
@@ -88,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(i: int) -> None:
         batch = batches[i % len(batches)]
-        with attention_context():
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if "autocast" in variants
+                    else contextlib.nullcontext())
+        with attention_context(), autocast:
             loss = engine(batch[:, :-1], batch[:, 1:]).mean()
             engine.backward(loss)
         engine.step()
@@ -102,12 +112,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times[3:])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(3, args.steps):
+        step(i)
+    torch.cuda.synchronize()
+    unsynced = (time.perf_counter() - t0) / max(1, args.steps - 3)
     tokens = b * s
     fpt = built.config.flops_per_token()
     summary = {"variant": args.variant, "flags": flags, "step_time_s": med, "tokens_per_s": tokens / med,
                "tflops_per_gpu": tokens * fpt / med / 1e12, "mfu": tokens * fpt / med / 989e12,
                "mem_gib": torch.cuda.max_memory_allocated() / 2**30, "flops_per_token": fpt,
-               "attention_backend": built.attention_backend, "times": times}
+               "attention_backend": built.attention_backend, "step_time_unsynced_s": unsynced,
+               "mfu_unsynced": tokens * fpt / unsynced / 989e12, "times": times}
     print("[profile] " + json.dumps({k: v for k, v in summary.items() if k != "times"}), flush=True)
     if not args.no_profile:
         from torch.profiler import ProfilerActivity, profile

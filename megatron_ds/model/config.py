@@ -34,6 +34,7 @@ class GPTConfig:
     attention_backend: str = "auto"  # auto | flash2 | sdpa | reference
     sequence_parallel: bool = False
     checkpoint_activations: bool = False
+    torch_compile: bool = False  # each TransformerLayer's forward through torch.compile (fused element-wise work)
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
 

@@ -169,7 +169,8 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). [s, b, h] -> [s, b, h].
 
     ``layer_number`` counts from 1 (Megatron) and seeds this layer's weights. With
-    ``checkpoint_activations`` the block is recomputed in backward (non-reentrant checkpoint).
+    ``checkpoint_activations`` the block is recomputed in backward (non-reentrant checkpoint); with
+    ``torch_compile`` its norms, GeLU, dropout and residual adds run as fused kernels.
     """
 
     def __init__(self, config: GPTConfig, layer_number: int):
@@ -183,6 +184,8 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(config, layer_number, group)
         self.post_attention_norm = Norm(config, group)
         self.mlp = MLP(config, layer_number, group)
+        if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
+            self._forward = torch.compile(self._forward)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

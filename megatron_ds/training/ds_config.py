@@ -26,7 +26,8 @@ def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = args.zero_stage
     config["zero_optimization"] = zero
-    config.update(precision.deepspeed_config())
+    for section, ours in precision.deepspeed_config().items():  # keep the user's other keys (e.g.
+        config[section] = {**(config.get(section) or {}), **ours}  # bf16.immediate_grad_update)
     if args.sequence_parallel:
         # DeepSpeed's pipeline engine splits inter-stage activations (and their gradients) over TP by
         # default, assuming every TP rank holds the same activations; under sequence parallelism each

@@ -36,6 +36,7 @@ def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfi
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, attention_backend=args.attention_backend,
         sequence_parallel=args.sequence_parallel, checkpoint_activations=args.checkpoint_activations,
+        torch_compile=args.torch_compile,
         params_dtype=precision.params_dtype, seed=args.seed,
     )
 

@@ -51,12 +51,14 @@ def test_harness_runs_train_and_baseline_and_records(tmp_path):
     assert ours["summary"]["tokens_per_s"] == pytest.approx(statistics.median(later))
     assert ours["summary"]["steps_measured"] == 2 and ours["summary"]["mem_gib"] > 0
     assert ours["config"] == {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
-                              "micro_batch_size": 2, "zero_stage": 0, "nproc_per_node": None,
+                              "micro_batch_size": 2, "global_batch_size": None, "hidden_dropout": 0.1,
+                              "attention_dropout": 0.1, "zero_stage": 0,
+                              "nproc_per_node": None,
                               "checkpoint_activations": False, "tensor_model_parallel_size": 1,
                               "pipeline_model_parallel_size": 1}
     bc = base["config"]
     assert (bc["num_layers"], bc["hidden_size"], bc["num_attention_heads"], bc["seq_length"],
-            bc["micro_batch_size"]) == (2, 64, 4, 64, 2)
+            bc["micro_batch_size"], bc["gradient_accumulation_steps"]) == (2, 64, 4, 64, 2, 1)
     ratio = ours["vs_baseline"]["tokens_per_s_ratio"]
     assert ratio == pytest.approx(ours["summary"]["tokens_per_s"] / base["summary"]["tokens_per_s"])
 

@@ -51,7 +51,8 @@ def write_report():
             json.dump(REPORT, f, indent=2)
 
 
-def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int = 1) -> list[dict]:
+def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int = 1,
+              env_extra: dict | None = None) -> list[dict]:
     out = tmp_path_factory.mktemp(name)
     metrics = out / "metrics.jsonl"
     argv = [sys.executable, "-m", "entrypoint", "train", *MODEL, "--data-path", corpus.prefix,
@@ -63,6 +64,7 @@ def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int 
             "--nproc-per-node", str(nproc), *extra]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.update(env_extra or {})
     result = subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -114,6 +116,16 @@ def test_bf16_zero0_matches_zero1_single_gpu(tmp_path_factory, demo_corpus, refe
     (the first by 0.744)."""
     run = run_train(tmp_path_factory, demo_corpus, "bf16_zero0_1gpu", ["--bf16", "--zero-stage", "0"])
     compare("bf16_zero0_1gpu", run, reference)
+
+
+@needs(1)
+@pytest.mark.parametrize("name, extra, env_extra", [
+    ("torch_compile_1gpu", ["--torch-compile"], {}),
+    ("eager_cross_entropy_1gpu", [], {"MDS_FUSED_CROSS_ENTROPY": "0"}),  # the reference runs the fused one
+])
+def test_speed_paths_match_single_gpu(tmp_path_factory, demo_corpus, reference, name, extra, env_extra):
+    run = run_train(tmp_path_factory, demo_corpus, name, ["--bf16", "--zero-stage", "1", *extra], env_extra=env_extra)
+    compare(name, run, reference)
 
 
 @needs(1)

@@ -107,6 +107,22 @@ def test_activation_checkpointing_gives_the_same_gradients(style):
                     loss_and_grads(GPTModel(plain).train(), plain, seed=4), f"{style} checkpointed")
 
 
+def test_torch_compile_gives_the_eager_model():
+    """--torch-compile: every layer runs one compiled graph (inductor's CPU backend here) with the eager
+    loss and gradients, also under activation checkpointing."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    plain = GPTConfig(**LLAMA)
+    reference = loss_and_grads(GPTModel(plain), plain)
+    for extra in ({}, {"checkpoint_activations": True}):
+        config = GPTConfig(**dict(LLAMA, torch_compile=True, **extra))
+        assert_same_run(loss_and_grads(GPTModel(config), config), reference, f"compiled {extra}", rel=1e-4)
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+
+
 @pytest.mark.parametrize("style", STYLES)
 def test_pipeline_pieces_compose_to_gpt_model(style):
     config = GPTConfig(**STYLES[style])

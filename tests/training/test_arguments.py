@@ -164,6 +164,7 @@ def test_deepspeed_config_must_agree(files):
     check(files, ds({"train_micro_batch_size_per_gpu": 4}), 1, "--micro-batch-size", "disagrees")
     check(files, ds({"bf16": {"enabled": True}}), 1, "--bf16", "enables bf16 but --bf16 was not given")
     check(files, [*ds({"fp16": {"enabled": False}}), "--fp16"], 1, "--fp16", "fp16.enabled=false")
+    validate(parse_args(base(files, *ds({"bf16": {"immediate_grad_update": True}}), "--bf16"), env={}), 1)  # options only
     check(files, [*ds({"zero_optimization": {"stage": 2}}), "--zero-stage", "1"], 1, "--zero-stage", "disagrees")
     check(files, [*ds({"gradient_accumulation_steps": 3}), "--global-batch-size", "4"], 1, "--global-batch-size",
           "disagrees with gradient_accumulation_steps")

@@ -75,12 +75,15 @@ def test_ds_config_keeps_user_sections_and_sets_flags():
     from types import SimpleNamespace
 
     args = SimpleNamespace(ds_config_file={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5},
-                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                           "bf16": {"immediate_grad_update": True}},
                            global_batch_size=16, micro_batch_size=2, gradient_accumulation_steps=4, clip_grad=1.0,
                            zero_stage=1, sequence_parallel=False)
     config = build_ds_config(args, Precision("bf16", torch.bfloat16), on_cpu=True)
     assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}
-    assert config["train_batch_size"] == 16 and config["bf16"]["enabled"]
+    assert config["train_batch_size"] == 16
+    assert config["bf16"] == {"immediate_grad_update": True, "enabled": True}  # the user's bf16 options stay
+    assert config["fp16"] == {"enabled": False}
     assert config["optimizer"]["params"]["torch_adam"] is True
     assert "pipeline" not in config  # DeepSpeed's defaults when the activations are TP-replicated
 
