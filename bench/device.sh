@@ -111,6 +111,13 @@ stage_headline3() {  # as headline2 without dropout, eight micro-batches per ste
     --attention-dropout 0
 }
 
+stage_confirm() {  # headline3 again, more steps; and sixteen micro-batches per step (global batch 256)
+  local M="$GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile --hidden-dropout 0 --attention-dropout 0"
+  t 330 $B --steps 12 --warmup-steps 3 --baseline --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_vs_hf_rerun -- \
+    $M --global-batch-size 128
+  t 200 $B --steps 6 --warmup-steps 2 --name gpt1_3b_s2048_mbs16_gbs256_z1_compile_nodrop -- $M --global-batch-size 256
+}
+
 stage_gpu1() {  # the one-GPU tests: bf16 ZeRO-0 vs ZeRO-1, --torch-compile, eager vs fused cross entropy, fp16
   MDS_GPU_REPORT="$LOGS/gpu_tests_1gpu.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
     -k "zero0 or speed_paths or fp16 or metrics"
