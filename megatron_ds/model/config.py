@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ds.torch_support import compile_problem
+
 
 class ModelConfigError(ValueError):
     """A model shape that cannot be built (the message names the flag and the rule)."""
@@ -77,6 +79,7 @@ class GPTConfig:
              f"attention backend must be auto, flash2, sdpa or reference, got {self.attention_backend!r}")
         need(self.max_position_embeddings >= self.seq_length,
              f"--max-position-embeddings {self.max_position_embeddings} must be >= --seq-length {self.seq_length}")
+        need(not self.torch_compile or compile_problem() is None, f"--torch-compile {compile_problem()}")
         need(self.params_dtype in (torch.float32, torch.bfloat16, torch.float16),
              f"params_dtype must be float32, bfloat16 or float16, got {self.params_dtype}")
         tp_flag = f"--tensor-model-parallel-size {tp}"
@@ -127,3 +130,4 @@ class GPTConfig:
             if not self.tied_embeddings:
                 total += self.vocab_size * h
         return total
+

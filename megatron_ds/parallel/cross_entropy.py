@@ -14,7 +14,7 @@ Speed: on CUDA the two passes over the logits (sum of exponentials; softmax minu
 ``torch.compile``d kernels over the whole tensor: each reads the logits once in their own dtype and
 keeps the fp32 math in registers (measured on one H200 for 32768 tokens x 50304: see
 bench/RESULTS.md). Elsewhere, or where compiling fails (reported once), the same functions run eagerly
-on chunks. Both paths compute every element with the same formula.
+on chunks, as they do on torch < 2.5. Both paths compute every element with the same formula.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.parallel.layers import tp_rank, tp_size
+from megatron_ds.torch_support import compile_problem
 
 # Elements of fp32 working memory per chunk (64M = 256 MiB): large enough that a chunk is a few big
 # kernels, small next to the logits of a real batch (16 x 2048 tokens x 50304 = 1.6G elements).
@@ -124,11 +125,11 @@ def fused_default(logits: torch.Tensor) -> bool:
 def _run_fused(name: str, *args) -> torch.Tensor | None:
     """The compiled kernel's result, or None (then the caller runs the eager chunks)."""
     global _compile_failed
-    if _compile_failed:
+    if _compile_failed or compile_problem():  # an older torch: the eager chunks
         return None
     try:
         return _compiled(name)(*args)
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError is newer than torch 2.1)
         raise
     except Exception as err:  # an inductor/triton problem must not stop training: the eager path is exact
         _compile_failed = True

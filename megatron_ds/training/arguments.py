@@ -403,6 +403,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.seq_length > args.max_position_embeddings:
         raise ConfigError("--seq-length", f"{args.seq_length} exceeds --max-position-embeddings "
                           f"{args.max_position_embeddings}")
+    if args.torch_compile:
+        from megatron_ds.torch_support import compile_problem
+
+        if compile_problem():
+            raise ConfigError("--torch-compile", compile_problem())
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel", "needs --tensor-model-parallel-size > 1 (it splits the sequence "
                           "across the tensor-parallel ranks)")

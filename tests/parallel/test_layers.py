@@ -301,7 +301,12 @@ def test_fused_cross_entropy_equals_the_eager_chunks():
         assert not any(t.dtype == torch.float32 and t.numel() >= logits.numel() for t in saved)
         results[fused] = (loss.detach(), logits.grad)
     from megatron_ds.parallel import cross_entropy
+    from megatron_ds.torch_support import compile_problem
+
     assert not cross_entropy._compile_failed, "the compiled kernels fell back to eager"
+    if compile_problem():  # torch 2.1 (make test-torch21): the eager chunks run, bit for bit
+        assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+        return
     close(results[True][0], results[False][0], "fused loss")
     grad_eager, grad_fused = results[False][1].float(), results[True][1].float()
     assert (grad_fused - grad_eager).abs().max() <= 1e-2 * grad_eager.abs().max()  # both rounded to bf16

@@ -149,6 +149,17 @@ def test_flash_attention_switches_map_to_backend(files):
         == "sdpa"
 
 
+def test_torch_compile_needs_a_torch_that_compiles_the_layer(files):
+    from megatron_ds.torch_support import compile_problem
+
+    if compile_problem():  # torch 2.1 (make test-torch21)
+        check(files, ["--torch-compile"], 1, "--torch-compile", "needs torch >= 2.5")
+    else:
+        args = parse_args(base(files, "--torch-compile"), env={})
+        validate(args, 1)
+        assert args.torch_compile
+
+
 def test_deepspeed_config_must_agree(files):
     def ds(config):
         path = files["dir"] / "ds.json"
