@@ -99,7 +99,8 @@ def resolved_shape(flags: list[str]) -> dict:
     return {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
             "seq_length": a.seq_length, "micro_batch_size": a.micro_batch_size,
             "global_batch_size": a.global_batch_size, "hidden_dropout": a.hidden_dropout,
-            "attention_dropout": a.attention_dropout, "zero_stage": a.zero_stage or 0, "nproc_per_node": a.nproc_per_node,
+            "attention_dropout": a.attention_dropout, "zero_stage": a.zero_stage or 0,
+            "nproc_per_node": a.nproc_per_node,
             "checkpoint_activations": bool(a.checkpoint_activations),
             "tensor_model_parallel_size": a.tensor_model_parallel_size,
             "pipeline_model_parallel_size": a.pipeline_model_parallel_size}
@@ -162,7 +163,8 @@ def run_ours(args, flags: list[str]) -> dict:
 
 
 def _gradient_accumulation(shape: dict) -> int:
-    """Micro-batches per optimizer step (the baseline runs on one GPU: DP = 1 unless --nproc-per-node)."""
+    """Micro-batches per optimizer step, as ours takes them (DP from --nproc-per-node, else 1), so each GPU
+    of the baseline does the same work per step."""
     if not shape["global_batch_size"]:
         return 1
     dp = (shape["nproc_per_node"] or 1) // (shape["tensor_model_parallel_size"] * shape["pipeline_model_parallel_size"])

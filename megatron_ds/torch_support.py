@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=None)
 def compile_problem() -> str | None:
     """Why torch.compile of our layers and kernels cannot be used with this torch, or None.
 

@@ -130,4 +130,3 @@ class GPTConfig:
             if not self.tied_embeddings:
                 total += self.vocab_size * h
         return total
-
