@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 from megatron_ds.training.arguments import ConfigError, parse_args, print_notices, validate
 
@@ -75,12 +76,35 @@ def main(argv: list[str]) -> int:
                        signal_grace=signal_grace)
     if code is not None:
         return code  # we supervised the local ranks; theirs is the exit code
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a rank that crashes (SIGSEGV, SIGABRT) shows where, in every thread
     if os.environ.get("RANK", "0") == "0":
         print_notices(args)
     from megatron_ds.checkpoint import CheckpointError
     from megatron_ds.training.loop import train
 
     try:
-        return train(args)
+        code = train(args)
     except CheckpointError as err:  # missing, partial or mismatched --load: a config error, not a crash
-        return _error(str(err))
+        code = _error(str(err))
+    leave_rank(code)
+
+
+def leave_rank(code: int) -> NoReturn:
+    """End a rank whose work is done and flushed, skipping the interpreter's teardown.
+
+    Gloo's C++ worker threads live as long as their process group, and DeepSpeed keeps references
+    to the groups, so they outlive destroy_process_group(). If one of them drops a tensor while the
+    interpreter is finalizing, it must take the GIL, Python ends that thread with pthread_exit, and
+    the forced unwind through a noexcept destructor aborts the process ("terminate called without
+    an active exception", exit 134) after a run that succeeded: seen in CI, 2 of one suite run's
+    multi-rank trainings, at random.
+    """
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
