@@ -2,6 +2,7 @@
 # Run benchmark stages on a GPU machine (`make bench` runs the headline stage with the repo's venv).
 #   bash bench/device.sh STAGE [STAGE...]      (stages below; results land in bench/results and $OUT)
 #   PYTHON=.venv/bin/python bash bench/device.sh headline
+#   MDS_GIT_COMMIT=<sha> ...   on a machine given a copy of the tree whose .git may be stale (results record it)
 # Wheels for what the machine lacks (DeepSpeed built with DS_BUILD_OPS=0, pydantic, hjson, ...) are
 # installed from .whl/ when present. Each stage runs under its own time limit so that the results of the
 # others still come back. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -118,9 +119,30 @@ stage_confirm() {  # headline3 again, more steps; and sixteen micro-batches per 
   t 200 $B --steps 6 --warmup-steps 2 --name gpt1_3b_s2048_mbs16_gbs256_z1_compile_nodrop -- $M --global-batch-size 256
 }
 
+stage_compile_tp() {  # GPT-1.3B on 2 GPUs, TP=2 and TP=2+SP, eager then --torch-compile in the same call
+  local S="--steps 10 --warmup-steps 3" M="$GPT13 --micro-batch-size 16 --zero-stage 1 --nproc-per-node 2"
+  for c in "" "--torch-compile"; do
+    local tag=${c:+_compile}
+    t 140 $B $S --name gpt1_3b_s2048_mbs16_z1_tp2${tag} -- $M --tensor-model-parallel-size 2 $c
+    t 140 $B $S --name gpt1_3b_s2048_mbs16_z1_tp2_sp${tag} -- $M --tensor-model-parallel-size 2 --sequence-parallel $c
+  done
+}
+
+stage_compile_pp() {  # GPT-1.3B on 2 GPUs, PP=2 (8 micro-batches of 8), eager then --torch-compile in the same call
+  local S="--steps 10 --warmup-steps 3"
+  local M="$GPT13 --micro-batch-size 8 --global-batch-size 64 --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2"
+  t 200 $B $S --name gpt1_3b_s2048_mbs8_gbs64_z1_pp2 -- $M
+  t 200 $B $S --name gpt1_3b_s2048_mbs8_gbs64_z1_pp2_compile -- $M --torch-compile
+}
+
 stage_gpu1() {  # the one-GPU tests: bf16 ZeRO-0 vs ZeRO-1, --torch-compile, eager vs fused cross entropy, fp16
   MDS_GPU_REPORT="$LOGS/gpu_tests_1gpu.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
     -k "zero0 or speed_paths or fp16 or metrics"
+}
+
+stage_gpucompile() {  # the --torch-compile GPU tests: 1 GPU, TP=2, TP=2+SP, PP=2, and TP=2 with dropout
+  MDS_GPU_REPORT="$LOGS/gpu_tests_compile.json" t 280 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k compile
 }
 
 stage_big() {  # GPT-13B on 4 GPUs with ZeRO-3 and activation checkpointing

@@ -158,6 +158,9 @@ def test_torch_compile_needs_a_torch_that_compiles_the_layer(files):
         args = parse_args(base(files, "--torch-compile"), env={})
         validate(args, 1)
         assert args.torch_compile
+        validate(parse_args(base(files, "--torch-compile", "--pipeline-model-parallel-size", "2"), env={}), 2)
+        check(files, ["--torch-compile", "--tensor-model-parallel-size", "2"], 2, "--torch-compile",
+              "not with --tensor-model-parallel-size 2 yet")
 
 
 def test_deepspeed_config_must_agree(files):
