@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron-DeepSpeed: use DeepSpeed's checkpointing for --checkpoint-activations")
     g.add_argument("--torch-compile", action="store_true",
                    help="compile each transformer layer with torch.compile: norms, GeLU, dropout and residual "
-                        "adds fused (one compile at start-up, ~1 min; bench/RESULTS.md has the speed-up)")
+                        "adds fused (one compile at start-up, ~1 min; bench/RESULTS.md has the speed-up; not with "
+                        "tensor parallelism yet)")
 
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", default=None)
