@@ -79,7 +79,6 @@ class GPTConfig:
              f"attention backend must be auto, flash2, sdpa or reference, got {self.attention_backend!r}")
         need(self.max_position_embeddings >= self.seq_length,
              f"--max-position-embeddings {self.max_position_embeddings} must be >= --seq-length {self.seq_length}")
-        need(not self.torch_compile or compile_problem() is None, f"--torch-compile {compile_problem()}")
         need(self.params_dtype in (torch.float32, torch.bfloat16, torch.float16),
              f"params_dtype must be float32, bfloat16 or float16, got {self.params_dtype}")
         tp_flag = f"--tensor-model-parallel-size {tp}"
@@ -93,6 +92,7 @@ class GPTConfig:
              f"padded vocabulary size {self.vocab_size} must be divisible by {tp_flag}")
         need(not self.sequence_parallel or self.seq_length % tp == 0,
              f"--sequence-parallel needs --seq-length {self.seq_length} divisible by {tp_flag}")
+        need(not self.torch_compile or compile_problem(tp) is None, f"--torch-compile {compile_problem(tp)}")
 
     @property
     def tied_embeddings(self) -> bool:

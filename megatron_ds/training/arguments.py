@@ -407,12 +407,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.torch_compile:
         from megatron_ds.torch_support import compile_problem
 
-        if compile_problem():
-            raise ConfigError("--torch-compile", compile_problem())
-        if tp > 1:  # tests/gpu: tp2_compile and tp2_sp_compile were 9.4e-2 off the one-GPU curve, PP=2 matched
-            raise ConfigError("--torch-compile", f"not with --tensor-model-parallel-size {tp} yet: on CUDA the "
-                              "compiled layers with tensor-parallel collectives trained off the TP=1 loss curve "
-                              "(2 x H200, torch 2.11); it works with data, pipeline and ZeRO parallelism")
+        if problem := compile_problem(tp):
+            raise ConfigError("--torch-compile", problem)
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel", "needs --tensor-model-parallel-size > 1 (it splits the sequence "
                           "across the tensor-parallel ranks)")

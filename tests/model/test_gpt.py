@@ -127,6 +127,8 @@ def test_torch_compile_gives_the_eager_model():
         config = GPTConfig(**dict(LLAMA, torch_compile=True, **extra))
         assert_same_run(loss_and_grads(GPTModel(config), config), reference, f"compiled {extra}", rel=1e-4)
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    with pytest.raises(ModelConfigError, match=r"--torch-compile not with --tensor-model-parallel-size 2 yet"):
+        GPTConfig(**dict(LLAMA, torch_compile=True)).validate(2)
 
 
 @pytest.mark.parametrize("style", STYLES)
