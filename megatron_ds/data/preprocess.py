@@ -2,7 +2,7 @@
 tools/preprocess_data.py.
 
 Reading and writing stay in this process; tokenizing runs in ``--workers`` processes, each
-encoding whole chunks of lines with the Rust batch encoder. Chunks come back in input order, so
+encoding whole chunks of lines with the tokenizer's batch encoder. Chunks come back in input order, so
 the output does not depend on the number of workers. Outputs are written under temporary
 names and renamed at the very end: an interrupted run leaves no ``.bin``/``.idx`` pair.
 """
@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
-    g.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer)")
+    g.add_argument("--tokenizer-model", help="tokenizer.json (HFTokenizer) or a SentencePiece tokenizer.model "
+                                             "(SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer)")
     g.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer)")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document "
                                                               "(counted in the sizes)")

@@ -1,4 +1,5 @@
-"""Tokenizers for preprocessing and training, on the Rust `tokenizers` library (and `tiktoken` for speed).
+"""Tokenizers for preprocessing and training, on the Rust `tokenizers` library (and `tiktoken` for speed) and
+`sentencepiece`.
 
 - GPT2BPETokenizer: GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json) and ``--merge-file``
   (merges.txt); ``<|endoftext|>`` ends a document. Text is encoded as GPT-2 did, so an
@@ -6,6 +7,9 @@
   (about 4x faster than `tokenizers` here, the same ids) where it is installed and the files allow it.
 - HFTokenizer: any ``tokenizer.json`` (``--tokenizer-model``), encoded with its own special tokens.
 - NullTokenizer: text is space-separated ids (``--vocab-size``); EOD is ``vocab_size``.
+- SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer: a SentencePiece ``tokenizer.model``
+  (``--tokenizer-model``, e.g. LLaMA-2's), with the ids, special tokens and vocabulary size of Megatron-DeepSpeed's
+  classes of these names (Llama2Tokenizer: ALCF's fork); see each class.
 """
 
 from __future__ import annotations
@@ -13,11 +17,22 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HFTokenizer", "NullTokenizer")
+# The flags each --tokenizer-type needs, for argument checks anywhere (check_tokenizer_flags reads it).
+TOKENIZER_FLAGS: dict[str, tuple[str, ...]] = {
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    "HFTokenizer": ("--tokenizer-model",),
+    "NullTokenizer": ("--vocab-size",),
+    "SentencePieceTokenizer": ("--tokenizer-model",),
+    "GPTSentencePieceTokenizer": ("--tokenizer-model",),
+    "Llama2Tokenizer": ("--tokenizer-model",),
+}
+FILE_FLAGS = frozenset({"--vocab-file", "--merge-file", "--tokenizer-model"})  # each names a file that must exist
+TOKENIZER_TYPES = tuple(TOKENIZER_FLAGS)
 EOD_TEXT = "<|endoftext|>"
 # End-of-document candidates for a bare tokenizer.json, in order of preference.
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -31,6 +46,7 @@ class TokenizerError(ValueError):
     def __init__(self, flag: str, message: str):
         super().__init__(f"{flag}: {message}")
         self.flag = flag
+        self.message = message
 
 
 class Tokenizer:
@@ -65,14 +81,6 @@ class _RustTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-def _require_file(flag: str, path: str | None, tokenizer_type: str) -> str:
-    if not path:
-        raise TokenizerError(flag, f"required by --tokenizer-type {tokenizer_type}")
-    if not os.path.isfile(path):
-        raise TokenizerError(flag, f"{path}: no such file")
-    return path
 
 
 class GPT2BPETokenizer(_RustTokenizer):
@@ -238,14 +246,151 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
+class _SentencePiece(Tokenizer):
+    """A SentencePiece model file; ids are `sentencepiece`'s own."""
+
+    def __init__(self, model_file: str):
+        import sentencepiece
+
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as e:  # RuntimeError: not a serialized ModelProto
+            raise TokenizerError("--tokenizer-model", f"cannot load {model_file} as a SentencePiece model: {e}") from e
+        self.vocab_size = self._sp.get_piece_size()
+
+    def _model_special(self, kind: str) -> int:
+        """The model's own bos/eos/pad id, or -1 where it has none (as `sentencepiece` says)."""
+        token_id = getattr(self._sp, f"{kind}_id")()
+        return token_id if 0 <= token_id < self._sp.get_piece_size() else -1
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # One thread: each preprocess worker has a core of its own.
+        return self._sp.encode(texts, out_type=int, num_threads=1) if texts else []
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._encode(list(texts))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class GPTSentencePieceTokenizer(_SentencePiece):
+    """The model's vocabulary as it is: EOD is the model's EOS (LLaMA-2: ``</s>`` = 2), BOS and pad are the
+    model's (-1 where it has none, as upstream); text is plain text, ``</s>`` in it included."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        self.bos, self.eos, self.pad = (self._model_special(k) for k in ("bos", "eos", "pad"))
+        if self.eos < 0:
+            raise TokenizerError("--tokenizer-model", f"{model_file} has no EOS piece (eos_id -1); "
+                                 f"{type(self).__name__} ends documents with it")
+        self.eod = self.eos
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """ALCF Megatron-DeepSpeed's Llama2Tokenizer: GPTSentencePieceTokenizer's ids and EOD, but every text
+    begins with the model's BOS (LLaMA-2: ``<s>`` = 1), so each preprocessed document starts with it."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        if self.bos < 0:
+            raise TokenizerError("--tokenizer-model", f"{model_file} has no BOS piece (bos_id -1); "
+                                 "Llama2Tokenizer starts every text with it")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *super().tokenize(text)]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[self.bos, *ids] for ids in super().tokenize_batch(texts)]
+
+
+class SentencePieceTokenizer(_SentencePiece):
+    """Megatron's general SentencePiece tokenizer: the model's pieces, then the special tokens <CLS>, <SEP>,
+    <EOD>, <MASK> and the model's pad, BOS and EOS pieces (<PAD>, <BOS>, <EOS> where it has none), each
+    appended after the model's pieces unless the model has it; vocab_size counts them (LLaMA-2: 32005, EOD
+    32002). A special token written in the text is that token's id; the text between is encoded on its own."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        sp = self._sp
+        vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+        names = ["<CLS>", "<SEP>", "<EOD>", "<MASK>"]
+        for kind, fallback in (("pad", "<PAD>"), ("bos", "<BOS>"), ("eos", "<EOS>")):
+            token_id = self._model_special(kind)
+            names.append(sp.id_to_piece(token_id) if token_id >= 0 else fallback)
+        self.special_tokens: dict[str, int] = {}  # text -> id, in matching priority
+        for name in names:
+            if name not in vocab:
+                vocab[name] = len(vocab)
+            self.special_tokens.setdefault(name, vocab[name])
+        self.cls, self.sep, self.eod, self.mask, self.pad, self.bos, self.eos = (vocab[n] for n in names)
+        self.vocab_size = len(vocab)
+        self._special_names = {token_id: name for name, token_id in self.special_tokens.items()}
+        # Leftmost special token first; where two start at one place, the earlier in `names` (as upstream).
+        self._special_re = re.compile("(" + "|".join(re.escape(n) for n in self.special_tokens) + ")")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_batch([text])[0]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # Each text splits into [text, special, text, ..., text]; all the text parts are encoded in one batch.
+        splits = [self._special_re.split(t) for t in texts]
+        encoded = iter(self._encode([part for parts in splits for part in parts[::2]]))
+        out = []
+        for parts in splits:
+            ids = list(next(encoded))
+            for special in parts[1::2]:  # each is followed by a text part, maybe empty
+                ids.append(self.special_tokens[special])
+                ids.extend(next(encoded))
+            out.append(ids)
+        return out
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Upstream's text: the model's decoding between special tokens, each special as `` <NAME> ``."""
+        ids = [int(i) for i in ids]
+        text, start = [], 0
+        for i, token_id in enumerate(ids):
+            if token_id in self._special_names:
+                text.append(f"{self._sp.decode(ids[start:i])} {self._special_names[token_id]} ")
+                start = i + 1
+        text.append(self._sp.decode(ids[start:]))
+        return "".join(text)
+
+
+_SENTENCEPIECE = {"SentencePieceTokenizer": SentencePieceTokenizer,
+                  "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer, "Llama2Tokenizer": Llama2Tokenizer}
+
+
+def check_tokenizer_flags(tokenizer_type: str | None, *, vocab_file: str | None = None,
+                          merge_file: str | None = None, tokenizer_model: str | None = None,
+                          vocab_size: int | None = None) -> None:
+    """TokenizerError naming the flag at fault: an unknown type, a flag TOKENIZER_FLAGS requires that is not
+    given, or a file flag naming no file. Takes build_tokenizer's arguments."""
+    if tokenizer_type not in TOKENIZER_FLAGS:
+        raise TokenizerError("--tokenizer-type", f"unknown type {tokenizer_type!r}, expected one of "
+                                                 f"{', '.join(TOKENIZER_TYPES)}")
+    values = {"--vocab-file": vocab_file, "--merge-file": merge_file, "--tokenizer-model": tokenizer_model,
+              "--vocab-size": vocab_size}
+    for flag in TOKENIZER_FLAGS[tokenizer_type]:
+        value = values[flag]
+        if value is None or value == "":
+            raise TokenizerError(flag, f"required by --tokenizer-type {tokenizer_type}")
+        if flag in FILE_FLAGS and not os.path.isfile(value):
+            raise TokenizerError(flag, f"{value}: no such file")
+
+
 def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge_file: str | None = None,
                     tokenizer_model: str | None = None, vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer named by ``--tokenizer-type``; missing or unreadable files raise TokenizerError."""
+    check_tokenizer_flags(tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
+                          tokenizer_model=tokenizer_model, vocab_size=vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(_require_file("--vocab-file", vocab_file, tokenizer_type),
-                                _require_file("--merge-file", merge_file, tokenizer_type))
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HFTokenizer":
-        return HFTokenizer(_require_file("--tokenizer-model", tokenizer_model, tokenizer_type))
+        return HFTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    raise TokenizerError("--tokenizer-type", f"unknown type {tokenizer_type!r}, expected one of {', '.join(TOKENIZER_TYPES)}")
+    return _SENTENCEPIECE[tokenizer_type](tokenizer_model)
