@@ -379,7 +379,8 @@ def check_tokenizer_flags(tokenizer_type: str | None, *, vocab_file: str | None 
         if value is None or value == "":
             raise TokenizerError(flag, f"required by --tokenizer-type {tokenizer_type}")
         if flag in FILE_FLAGS and not os.path.isfile(value):
-            raise TokenizerError(flag, f"{value}: no such file")
+            why = "a directory, not a file" if os.path.isdir(value) else "no such file"
+            raise TokenizerError(flag, f"{value}: {why}")
 
 
 def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge_file: str | None = None,

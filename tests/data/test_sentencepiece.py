@@ -225,8 +225,8 @@ def test_missing_or_invalid_model_file(kind, tmp_path, tmp_path_factory):
         build_tokenizer(kind)
     with pytest.raises(TokenizerError, match=r"--tokenizer-model: .*nope\.model: no such file"):
         build_tokenizer(kind, tokenizer_model=str(tmp_path / "nope.model"))
-    with pytest.raises(TokenizerError, match=r"--tokenizer-model: .*: no such file"):
-        build_tokenizer(kind, tokenizer_model=str(tmp_path))  # a directory is not a model file
+    with pytest.raises(TokenizerError, match=r"--tokenizer-model: .*: a directory, not a file"):
+        build_tokenizer(kind, tokenizer_model=str(tmp_path))
     bad = tmp_path / "tokenizer.model"
     bad.write_text("this is not a SentencePiece model\n")
     with pytest.raises(TokenizerError, match=r"--tokenizer-model: cannot load .*tokenizer\.model as a SentencePiece"):
