@@ -1,8 +1,13 @@
-"""Learning-rate schedule with Megatron's meaning of the flags.
+"""Learning-rate schedule with Megatron-DeepSpeed's meaning of the flags.
 
-Linear warmup from 0 to --lr over --lr-warmup-iters, then constant / linear / cosine decay to --min-lr
-at --lr-decay-iters, and --min-lr after that. `step` counts successful optimizer steps (an fp16 step
-skipped for overflow does not advance it), so the schedule is a pure function of that count.
+The schedule is a function of how far training has come, counted in samples (or in tokens when a
+--lr-*-tokens flag is given), exactly as upstream's OptimizerParamScheduler counts: linear warmup from
+0 to --lr, then constant / linear / cosine / inverse-square-root decay to --min-lr at the decay point,
+and --min-lr after it. Iteration flags are converted to samples (iterations x global batch).
+
+The update of iteration k uses the rate at the position *before* it, ``(k - 1) x per_step``, as
+upstream does (its scheduler is stepped once at construction and after every successful update); an
+fp16 step skipped for overflow does not advance the position. So a run with warmup starts at lr 0.
 """
 
 from __future__ import annotations
@@ -10,47 +15,76 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+# What a resume does when the checkpoint's schedule differs from the flags (upstream's two flags).
+ON_RESUME = ("check", "flags", "checkpoint")
+_SHAPE = ("max_lr", "min_lr", "warmup", "decay", "style")
+
+
+class ScheduleMismatch(ValueError):
+    """A resumed schedule whose shape differs from the flags; the message names every difference."""
+
 
 @dataclass
 class LRSchedule:
     max_lr: float
     min_lr: float
-    warmup_steps: int
-    decay_steps: int
-    style: str = "linear"  # constant | linear | cosine
-    step: int = 0
+    warmup: float  # position (samples or tokens) where warmup ends
+    decay: float  # position where decay ends
+    style: str = "linear"
+    per_step: int = 1  # position gained by one optimizer step: global batch (x seq length when counting tokens)
+    position: int = 0  # samples (tokens) consumed by successful optimizer steps so far
+    on_resume: str = "check"  # a checkpoint's different shape: refuse it, keep the flags', or take the checkpoint's
 
     def __post_init__(self):
-        if self.style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"unknown lr decay style {self.style!r}")
+        if self.style not in STYLES:
+            raise ValueError(f"unknown lr decay style {self.style!r} (choose from {', '.join(STYLES)})")
+        if self.on_resume not in ON_RESUME:
+            raise ValueError(f"on_resume must be one of {ON_RESUME}, got {self.on_resume!r}")
 
-    def lr_at(self, step: int) -> float:
-        """The learning rate for the update that brings the step count to `step` (1-based)."""
-        if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * step / self.warmup_steps
+    def lr_at(self, position: float) -> float:
+        """The rate at `position` samples (tokens) consumed: upstream's get_lr at num_steps = position."""
+        if self.warmup > 0 and position <= self.warmup:
+            return self.max_lr * position / self.warmup
         if self.style == "constant":
             return self.max_lr
-        if step > self.decay_steps:
+        if position > self.decay:
             return self.min_lr
-        span = self.decay_steps - self.warmup_steps
-        ratio = 1.0 if span <= 0 else (step - self.warmup_steps) / span
-        if self.style == "linear":
-            coeff = 1.0 - ratio
-        else:
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        if self.style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * max(self.warmup, 1) ** 0.5 / max(position, 1) ** 0.5)
+        span = self.decay - self.warmup
+        ratio = 1.0 if span <= 0 else (position - self.warmup) / span
+        coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
-    def next_lr(self) -> float:
-        """The learning rate for the coming optimizer step."""
-        return self.lr_at(self.step + 1)
+    def current_lr(self) -> float:
+        """The rate of the coming optimizer step."""
+        return self.lr_at(self.position)
+
+    def advance(self, steps: int = 1) -> None:
+        self.position += steps * self.per_step
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
-                "decay_steps": self.decay_steps, "style": self.style}
+        return {"position": self.position, **{key: getattr(self, key) for key in _SHAPE}}
 
     def load_state_dict(self, state: dict) -> None:
-        # Only the position is restored: the flags of the resumed run define the schedule's shape.
-        self.step = int(state["step"])
+        """Restore the position; the shape follows `on_resume` (upstream's default "check" refuses a
+        difference, --override-opt_param-scheduler keeps the flags', --use-checkpoint-opt_param-scheduler
+        takes the checkpoint's)."""
+        if "position" not in state:  # written before the sample-based schedule: a step count, no shape to check
+            self.position = int(state["step"]) * self.per_step
+            return
+        differ = [f"{key} {state[key]!r} in the checkpoint vs {getattr(self, key)!r} from the flags"
+                  for key in _SHAPE if state[key] != getattr(self, key)]
+        if differ and self.on_resume == "check":
+            raise ScheduleMismatch(
+                "the checkpoint's learning-rate schedule differs from the flags (" + "; ".join(differ) +
+                "): pass --override-opt_param-scheduler to use the flags, or --use-checkpoint-opt_param-scheduler "
+                "to use the checkpoint's")
+        if self.on_resume == "checkpoint":
+            for key in _SHAPE:
+                setattr(self, key, state[key])
+        self.position = state["position"]
 
 
 class ScheduledLR:
@@ -67,12 +101,12 @@ class ScheduledLR:
 
     def apply(self) -> None:
         """Set the learning rate of the coming step on every parameter group."""
-        lr = self.schedule.next_lr()
+        lr = self.schedule.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def step(self, increment: int = 1, **_ignored) -> None:
-        self.schedule.step += increment
+        self.schedule.advance(increment)
         self.apply()
 
     def get_lr(self) -> list[float]:
@@ -89,5 +123,30 @@ class ScheduledLR:
 
 
 def from_args(args) -> LRSchedule:
-    return LRSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
-                      decay_steps=args.lr_decay_iters, style=args.lr_decay_style)
+    """The schedule of a validated run: positions in tokens when a --lr-*-tokens flag is given, else samples.
+
+    Iteration flags count in samples (x global batch), --lr-warmup-fraction is a fraction of the decay
+    span, and warmup by samples with decay by tokens ends where upstream's does (samples x seq length).
+    """
+    gbs, seq = args.global_batch_size, args.seq_length
+    by_tokens = args.lr_decay_tokens is not None or args.lr_warmup_tokens is not None
+    unit = seq if by_tokens else 1  # position units per sample
+
+    if args.lr_decay_tokens is not None:
+        decay = args.lr_decay_tokens
+    elif args.lr_decay_samples is not None:
+        decay = args.lr_decay_samples * unit
+    else:
+        decay = args.lr_decay_iters * gbs * unit
+    if args.lr_warmup_tokens is not None:
+        warmup = args.lr_warmup_tokens
+    elif args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    elif args.lr_warmup_samples:
+        warmup = args.lr_warmup_samples * unit
+    else:
+        warmup = args.lr_warmup_iters * gbs * unit
+    on_resume = ("flags" if args.override_opt_param_scheduler else
+                 "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
+    return LRSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup=warmup, decay=decay, style=args.lr_decay_style,
+                      per_step=gbs * unit, on_resume=on_resume)

@@ -1,4 +1,4 @@
-"""LR schedule shapes, metrics arithmetic, the precision seam and the DeepSpeed config builder."""
+"""Metrics arithmetic, the precision seam and the DeepSpeed config builder."""
 
 import json
 import math
@@ -8,32 +8,7 @@ import torch
 
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config
-from megatron_ds.training.lr_schedule import LRSchedule, ScheduledLR
 from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops
-
-
-def test_warmup_then_linear_and_cosine_decay():
-    lin = LRSchedule(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, style="linear")
-    assert lin.lr_at(5) == pytest.approx(0.5) and lin.lr_at(10) == pytest.approx(1.0)
-    assert lin.lr_at(60) == pytest.approx(0.1 + 0.5 * 0.9) and lin.lr_at(110) == pytest.approx(0.1)
-    assert lin.lr_at(500) == pytest.approx(0.1)
-    cos = LRSchedule(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100, style="cosine")
-    assert cos.lr_at(50) == pytest.approx(0.5) and cos.lr_at(25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
-    const = LRSchedule(max_lr=2.0, min_lr=0.0, warmup_steps=4, decay_steps=8, style="constant")
-    assert const.lr_at(2) == pytest.approx(1.0) and const.lr_at(100) == 2.0
-
-
-def test_scheduled_lr_drives_the_optimizer_and_resumes():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=99.0)
-    sched = ScheduledLR(opt, LRSchedule(1.0, 0.0, 4, 8))
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.25)  # lr of the first update
-    for _ in range(3):
-        sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
-    state = sched.state_dict()
-    other = ScheduledLR(opt, LRSchedule(1.0, 0.0, 4, 8))
-    other.load_state_dict(state)
-    assert other.get_lr() == [pytest.approx(1.0)] and other.schedule.step == 3
 
 
 def test_metrics_record_is_consistent(tmp_path):
