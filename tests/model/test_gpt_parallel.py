@@ -167,3 +167,32 @@ def test_model_depends_only_on_its_arguments(tp2):
         assert sliced[-1]["linear.weight"] == (v // TP, h)
         # a shape that cannot split over the group is refused where the group enters (see tp2_worker)
         assert result["one_kv_head_whole"] == GPTConfig(**dict(LLAMA, num_key_value_heads=1)).num_parameters()
+
+
+def pipeline_worker() -> dict:
+    """This rank's stage of DeepSpeed's PipelineModule built from the stage specs (TP=2 x PP=2)."""
+    import deepspeed
+
+    from megatron_ds.training.engine import pipeline_module
+
+    st = state.get_state()
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    module = pipeline_module(GPTConfig(**GPT2), st)
+    pieces = [m for m in module.modules() if hasattr(m, "group") and m is not module]
+    return {"pp_rank": st.pp_rank, "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()},
+            "all_pieces_on_tp_group": bool(pieces) and all(m.group is st.tp_group for m in pieces)}
+
+
+def test_deepspeed_pipeline_builds_pieces_with_the_tp_group():
+    """The group travels in the specs' keyword arguments through LayerSpec and TiedLayerSpec."""
+    h, v = GPT2["hidden_size"], GPT2["vocab_size"]
+    results = run_on_ranks(pipeline_worker, 4, tp=TP, pp=2)
+    assert sorted(r["pp_rank"] for r in results) == [0, 0, 1, 1]
+    for r, result in enumerate(results):
+        shapes = result["shapes"]
+        assert result["all_pieces_on_tp_group"], f"rank {r}"
+        # the tied embedding on the first stage and the tied head on the last: this rank's vocab rows
+        assert shapes["tied_modules.embed.word_embeddings.weight"] == (v // TP, h), f"rank {r}"
+        qkv = [shape for name, shape in shapes.items() if name.endswith("attention.qkv.weight")]
+        assert qkv == [(3 * h // TP, h)], f"rank {r}: one layer per stage, heads split: {qkv}"
+        assert ("tied_modules.embed.position_embeddings" in shapes) == (result["pp_rank"] == 0)
