@@ -372,14 +372,18 @@ def gpt_stage_specs(config: GPTConfig, tp_group=None) -> list[StageSpec]:
     ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}`` (both default to true and
     assume TP-replicated activations; with them a TP=2 x PP=2 SP run computes a wrong loss).
     """
-    group = {"tp_group": _checked(config, tp_group)}
+    _checked(config, tp_group)
+
+    def on_group(**kwargs) -> dict:  # a fresh dict per spec: no spec shares mutable arguments
+        return {"tp_group": tp_group, **kwargs}
+
     tied = "embed" if config.tied_embeddings else None
-    specs = [StageSpec("embedding", EmbeddingStage, (config,), group, tied_key=tied)]
-    specs += [StageSpec("layer", TransformerLayer, (config, n), group) for n in range(1, config.num_layers + 1)]
-    specs.append(StageSpec("final_norm", FinalNorm, (config,), group))
+    specs = [StageSpec("embedding", EmbeddingStage, (config,), on_group(), tied_key=tied)]
+    specs += [StageSpec("layer", TransformerLayer, (config, n), on_group()) for n in range(1, config.num_layers + 1)]
+    specs.append(StageSpec("final_norm", FinalNorm, (config,), on_group()))
     if tied:
-        specs.append(StageSpec("head", EmbeddingStage, (config,), {**group, "positions": False}, tied_key=tied,
+        specs.append(StageSpec("head", EmbeddingStage, (config,), on_group(positions=False), tied_key=tied,
                                forward_fn=tied_head_forward))
     else:
-        specs.append(StageSpec("head", OutputHead, (config,), group))
+        specs.append(StageSpec("head", OutputHead, (config,), on_group()))
     return specs
