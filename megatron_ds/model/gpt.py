@@ -9,8 +9,10 @@ Layout: activations between pieces are ONE tensor [s, b, h] (sequence first, as 
 Tokens and labels are [b, s]. Logits are this rank's vocabulary slice [s, b, V/tp]; labels go to
 ``lm_loss``, never through the stages.
 
-Tensor parallelism comes from the parallel layers and the TP group of megatron_ds.parallel.state
-at build time (no group: TP=1). Each weight is drawn from a generator seeded by
+The model depends only on its arguments: the tensor-parallel process group is passed in
+(``GPTModel(config, tp_group=...)``, ``gpt_stage_specs(config, tp_group=...)``, ``lm_loss(logits,
+labels, group)``) and handed down to every piece; None means TP=1, so no process group is needed.
+Nothing here reads a global parallel state. Each weight is drawn from a generator seeded by
 (config.seed, layer number, name) on the full matrix and then sliced, so TP=N and PP=N build the
 same model as one process does. Modules are built on the CPU in ``config.params_dtype``; move them
 with ``.to(device)`` (deepspeed.initialize does).
@@ -38,20 +40,18 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_ds.model.attention import CoreAttention
 from megatron_ds.model.config import GPTConfig
-from megatron_ds.parallel import state
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         seeded_normal, sequence_parallel_dropout, tp_rank, tp_replicated,
-                                         tp_size)
-from megatron_ds.parallel.mappings import all_gather_sequence, copy_to_tp, reduce_from_tp, reduce_scatter_sequence
+                                         seeded_normal, sequence_parallel_dropout, tp_replicated)
+from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, reduce_from_tp, reduce_scatter_sequence,
+                                           tp_rank, tp_size)
 from megatron_ds.parallel.random import tp_rank_rng
 
 
-def _tp_group_for(config: GPTConfig):
-    """The TP group of the current parallel state, after checking the shape fits it."""
-    group = state.get_state().tp_group
-    config.validate(tp_size(group))
-    return group
+def _checked(config: GPTConfig, tp_group):
+    """``tp_group`` after checking that the shape splits over its size (None: TP=1)."""
+    config.validate(tp_size(tp_group))
+    return tp_group
 
 
 def _init(config: GPTConfig, layer_number: int, name: str, *, scaled: bool = False):
@@ -168,14 +168,15 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). [s, b, h] -> [s, b, h].
 
-    ``layer_number`` counts from 1 (Megatron) and seeds this layer's weights. With
+    ``layer_number`` counts from 1 (Megatron) and seeds this layer's weights; ``tp_group`` splits
+    its heads and ffn (None: TP=1). With
     ``checkpoint_activations`` the block is recomputed in backward (non-reentrant checkpoint); with
     ``torch_compile`` its norms, GeLU, dropout and residual adds run as fused kernels.
     """
 
-    def __init__(self, config: GPTConfig, layer_number: int):
+    def __init__(self, config: GPTConfig, layer_number: int, tp_group=None):
         super().__init__()
-        self.group = group = _tp_group_for(config)
+        self.group = group = _checked(config, tp_group)
         self.layer_number = layer_number
         self.checkpoint_activations = config.checkpoint_activations
         self.sequence_parallel = config.sequence_parallel
@@ -210,12 +211,13 @@ class EmbeddingStage(nn.Module):
     [s, b, V/tp] computed with the same weight. It goes through ``__call__`` on purpose, so module
     hooks (ZeRO-3 gathers a partitioned weight in them) see the second use of the weight too.
     On the last pipeline stage build it with ``positions=False``: only the word embedding weight
-    is tied (``.weight``, what DeepSpeed's tied_weight_attr names).
+    is tied (``.weight``, what DeepSpeed's tied_weight_attr names). ``tp_group`` splits the
+    vocabulary (None: TP=1).
     """
 
-    def __init__(self, config: GPTConfig, positions: bool = True):
+    def __init__(self, config: GPTConfig, tp_group=None, positions: bool = True):
         super().__init__()
-        self.group = _tp_group_for(config)
+        self.group = _checked(config, tp_group)
         self.sequence_parallel = config.sequence_parallel
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
@@ -263,9 +265,9 @@ class EmbeddingStage(nn.Module):
 class FinalNorm(nn.Module):
     """The norm after the last layer. [s, b, h] -> [s, b, h]."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
-        self.norm = Norm(config, _tp_group_for(config))
+        self.norm = Norm(config, _checked(config, tp_group))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
@@ -274,9 +276,9 @@ class FinalNorm(nn.Module):
 class OutputHead(nn.Module):
     """Untied output layer: hidden [s(/tp), b, h] -> local logits [s, b, V/tp] (column-parallel, no bias)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
-        self.linear = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=_tp_group_for(config),
+        self.linear = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=_checked(config, tp_group),
                                            bias=False, sequence_parallel=config.sequence_parallel,
                                            init=_init(config, config.num_layers + 1, "output_layer"),
                                            params_dtype=config.params_dtype)
@@ -285,29 +287,32 @@ class OutputHead(nn.Module):
         return self.linear(hidden)
 
 
-def lm_loss(local_logits: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
+def lm_loss(local_logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
     """Per-token fp32 loss [b, s] from local logits [s, b, V/tp] and labels [b, s].
 
-    ``group`` defaults to the current TP group. Loss masking and averaging are the caller's.
+    ``group`` is the TP group the logits' vocabulary is split over (None: TP=1, full logits).
+    Loss masking and averaging are the caller's.
     """
-    group = state.get_state().tp_group if group is None else group
     return vocab_parallel_cross_entropy(local_logits, labels.t(), group).t()
 
 
 class GPTModel(nn.Module):
     """EmbeddingStage -> TransformerLayer x L -> FinalNorm -> logits (tied) or OutputHead (untied).
 
+    ``tp_group``: the tensor-parallel process group this rank's slice belongs to; None builds the
+    whole model (TP=1), whatever process groups exist.
     ``forward(tokens [b, s], labels [b, s] | None)``: per-token loss [b, s] fp32 with labels, else
     this rank's logits [b, s, V/tp].
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         self.config = config
-        self.embedding = EmbeddingStage(config)
-        self.layers = nn.ModuleList(TransformerLayer(config, n) for n in range(1, config.num_layers + 1))
-        self.final_norm = FinalNorm(config)
-        self.output_head = None if config.tied_embeddings else OutputHead(config)
+        self.tp_group = _checked(config, tp_group)
+        self.embedding = EmbeddingStage(config, tp_group)
+        self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group) for n in range(1, config.num_layers + 1))
+        self.final_norm = FinalNorm(config, tp_group)
+        self.output_head = None if config.tied_embeddings else OutputHead(config, tp_group)
 
     @property
     def attention_backend(self) -> str:
@@ -322,7 +327,7 @@ class GPTModel(nn.Module):
         logits = self.embedding(hidden, logits=True) if self.output_head is None else self.output_head(hidden)
         if labels is None:
             return logits.transpose(0, 1)
-        return lm_loss(logits, labels)
+        return lm_loss(logits, labels, self.tp_group)
 
 
 def tied_head_forward(module: EmbeddingStage, hidden: torch.Tensor) -> torch.Tensor:
@@ -355,25 +360,30 @@ class StageSpec:
         return self.forward_fn(module, x) if self.forward_fn is not None else module(x)
 
 
-def gpt_stage_specs(config: GPTConfig) -> list[StageSpec]:
-    """The pieces of GPTModel in order; running them one after another equals GPTModel(config).
+def gpt_stage_specs(config: GPTConfig, tp_group=None) -> list[StageSpec]:
+    """The pieces of GPTModel in order; running them one after another equals GPTModel(config, tp_group).
 
-    Input of the first piece: tokens [b, s]; between pieces: hidden [s, b, h] ([s/tp, b, h] under
-    SP); output of the last: local logits [s, b, V/tp] for ``lm_loss(logits, labels)``.
+    Every piece gets ``tp_group`` as its ``tp_group`` keyword argument (None: TP=1). Input of the
+    first piece: tokens [b, s]; between pieces: hidden [s, b, h] ([s/tp, b, h] under SP); output
+    of the last: local logits [s, b, V/tp] for ``lm_loss(logits, labels, tp_group)``.
 
     Under sequence parallelism the activations sent between stages DIFFER per TP rank (each holds
     its sequence shard), so DeepSpeed's pipeline must not split them over TP: set its config
     ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}`` (both default to true and
     assume TP-replicated activations; with them a TP=2 x PP=2 SP run computes a wrong loss).
     """
-    config.validate(tp_size(state.get_state().tp_group))
+    _checked(config, tp_group)
+
+    def on_group(**kwargs) -> dict:  # a fresh dict per spec: no spec shares mutable arguments
+        return {"tp_group": tp_group, **kwargs}
+
     tied = "embed" if config.tied_embeddings else None
-    specs = [StageSpec("embedding", EmbeddingStage, (config,), tied_key=tied)]
-    specs += [StageSpec("layer", TransformerLayer, (config, n)) for n in range(1, config.num_layers + 1)]
-    specs.append(StageSpec("final_norm", FinalNorm, (config,)))
+    specs = [StageSpec("embedding", EmbeddingStage, (config,), on_group(), tied_key=tied)]
+    specs += [StageSpec("layer", TransformerLayer, (config, n), on_group()) for n in range(1, config.num_layers + 1)]
+    specs.append(StageSpec("final_norm", FinalNorm, (config,), on_group()))
     if tied:
-        specs.append(StageSpec("head", EmbeddingStage, (config,), {"positions": False}, tied_key=tied,
+        specs.append(StageSpec("head", EmbeddingStage, (config,), on_group(positions=False), tied_key=tied,
                                forward_fn=tied_head_forward))
     else:
-        specs.append(StageSpec("head", OutputHead, (config,)))
+        specs.append(StageSpec("head", OutputHead, (config,), on_group()))
     return specs

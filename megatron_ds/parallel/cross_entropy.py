@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_ds.parallel.layers import tp_rank, tp_size
+from megatron_ds.parallel.mappings import tp_rank, tp_size
 from megatron_ds.torch_support import compile_problem
 
 # Elements of fp32 working memory per chunk (64M = 256 MiB): large enough that a chunk is a few big

@@ -17,12 +17,11 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
-                                           reduce_scatter_sequence)
+                                           reduce_scatter_sequence, tp_rank, tp_size)
 
 Init = Callable[[tuple[int, ...]], torch.Tensor]
 
@@ -40,14 +39,6 @@ def seeded_normal(std: float, *key: object) -> Init:
         return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
     return init
-
-
-def tp_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def tp_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def slice_chunks(full: torch.Tensor, splits: Sequence[int], dim: int, size: int, rank: int) -> torch.Tensor:

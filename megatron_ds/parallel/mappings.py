@@ -14,8 +14,14 @@ import torch
 import torch.distributed as dist
 
 
-def _size(group) -> int:
+def tp_size(group) -> int:
+    """Ranks in ``group``; 1 for None, so code without torch.distributed runs as TP=1."""
     return 1 if group is None else dist.get_world_size(group)
+
+
+def tp_rank(group) -> int:
+    """This process's rank in ``group``; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -28,14 +34,14 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = _size(group)
+    n = tp_size(group)
     if x.size(dim) % n:
         raise ValueError(f"cannot split dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
-    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+    return x.chunk(n, dim=dim)[tp_rank(group)].contiguous()
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = _size(group)
+    n = tp_size(group)
     x = x.contiguous()
     if dim == 0 and dist.get_backend(group) != "gloo":
         out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -50,7 +56,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = _size(group)
+    n = tp_size(group)
     if x.size(dim) % n:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
     if dim == 0 and dist.get_backend(group) != "gloo":
@@ -135,24 +141,24 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     Put in front of work that each rank does on its own slice of a replicated input (a
     column-parallel matmul, or a replicated weight used on a sequence shard).
     """
-    return x if _size(group) == 1 else _Copy.apply(x, group)
+    return x if tp_size(group) == 1 else _Copy.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Forward: all-reduce (sum) over ``group``. Backward: identity."""
-    return x if _size(group) == 1 else _Reduce.apply(x, group)
+    return x if tp_size(group) == 1 else _Reduce.apply(x, group)
 
 
 # --- pair 2: the last dimension ---
 
 def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
-    return x if _size(group) == 1 else _Scatter.apply(x, x.dim() - 1, group)
+    return x if tp_size(group) == 1 else _Scatter.apply(x, x.dim() - 1, group)
 
 
 def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Forward: all-gather the last dim. Backward: keep this rank's chunk of the last dim."""
-    return x if _size(group) == 1 else _Gather.apply(x, x.dim() - 1, group)
+    return x if tp_size(group) == 1 else _Gather.apply(x, x.dim() - 1, group)
 
 
 # --- pair 3 and 4: the sequence (first) dimension, for sequence parallelism ---
@@ -162,7 +168,7 @@ def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
     For an activation that is replicated over ``group`` entering the sequence-parallel region.
     """
-    return x if _size(group) == 1 else _Scatter.apply(x, 0, group)
+    return x if tp_size(group) == 1 else _Scatter.apply(x, 0, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -171,7 +177,7 @@ def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
     For leaving the sequence-parallel region into work that is replicated over ``group``
     (its gradient is the same on every rank).
     """
-    return x if _size(group) == 1 else _Gather.apply(x, 0, group)
+    return x if tp_size(group) == 1 else _Gather.apply(x, 0, group)
 
 
 def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -180,7 +186,7 @@ def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     In front of a column-parallel matmul: each rank's gradient of the gathered input is a partial
     sum over its output columns, so the backward sums them and hands each rank its sequence chunk.
     """
-    return x if _size(group) == 1 else _GatherReduceScatter.apply(x, 0, group)
+    return x if tp_size(group) == 1 else _GatherReduceScatter.apply(x, 0, group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -188,4 +194,4 @@ def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
     After a row-parallel matmul under sequence parallelism (replaces ``reduce_from_tp``).
     """
-    return x if _size(group) == 1 else _ReduceScatter.apply(x, 0, group)
+    return x if tp_size(group) == 1 else _ReduceScatter.apply(x, 0, group)

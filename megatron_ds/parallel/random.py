@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from megatron_ds.parallel.layers import tp_rank, tp_size
+from megatron_ds.parallel.mappings import tp_rank, tp_size
 
 _RANK_STRIDE = 2718  # keeps the derived seeds of neighbouring ranks apart (any odd constant would do)
 

@@ -42,12 +42,16 @@ def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfi
 
 
 def pipeline_module(config: GPTConfig, state: ParallelState):
-    """DeepSpeed PipelineModule: one LayerSpec per stage spec; the tied embedding/head as TiedLayerSpec."""
+    """DeepSpeed PipelineModule: one LayerSpec per stage spec; the tied embedding/head as TiedLayerSpec.
+
+    The specs carry ``state.tp_group`` in their keyword arguments; DeepSpeed passes them unchanged
+    to the constructors when it builds this rank's stage."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+    tp_group = state.tp_group
     layers = []
-    for spec in gpt_stage_specs(config):
+    for spec in gpt_stage_specs(config, tp_group=tp_group):
         if spec.tied_key is not None:
             layers.append(TiedLayerSpec(spec.tied_key, spec.module_class, *spec.args, forward_fn=spec.forward_fn,
                                         tied_weight_attr=spec.tied_weight_attr, **spec.kwargs))
@@ -55,7 +59,6 @@ def pipeline_module(config: GPTConfig, state: ParallelState):
             layers.append(LayerSpec(spec.module_class, *spec.args, **spec.kwargs))
     # axes pipe, data, model: model fastest -> rank = pp*(dp*tp) + dp*tp + tp, as parallel.state.
     topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
-    tp_group = state.tp_group
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, labels, tp_group).mean()  # mean per-token loss of this micro-batch
@@ -143,8 +146,8 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     pipelined = state.pp_size > 1
     # DeepSpeed's comm layer wraps the process group that parallel.state created (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
-    # 1. the model (TP-sliced layers built against the current parallel state)
-    module = pipeline_module(config, state) if pipelined else GPTModel(config)
+    # 1. the model (TP-sliced layers for this rank's TP group)
+    module = pipeline_module(config, state) if pipelined else GPTModel(config, tp_group=state.tp_group)
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
     module = precision.wrap_model(module)
     # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)

@@ -31,7 +31,7 @@ def main(directory: str, tokens_path: str, out_path: str) -> int:
     padded_vocab = module["embedding.word_embeddings.weight"].shape[0] * state.tp_size
     config = model_config(args, precision_from_args(args), padded_vocab)
     config.attention_backend = "reference"
-    model = GPTModel(config)
+    model = GPTModel(config, tp_group=state.tp_group)
     model.load_state_dict(module, strict=True)
     model.eval()
     with torch.no_grad():

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import megatron_ds.model
 from megatron_ds.model.attention import CoreAttention, resolve_backend
 from megatron_ds.model.config import GPTConfig, ModelConfigError
 from megatron_ds.model.gpt import EmbeddingStage, GPTModel, TransformerLayer, gpt_stage_specs, lm_loss
@@ -136,6 +141,7 @@ def test_pipeline_pieces_compose_to_gpt_model(style):
     config = GPTConfig(**STYLES[style])
     specs = gpt_stage_specs(config)
     assert [s.kind for s in specs] == ["embedding", "layer", "layer", "final_norm", "head"]
+    assert all(s.kwargs["tp_group"] is None for s in specs)  # every piece is told its group (here: TP=1)
     tied = config.tied_embeddings
     assert (specs[0].tied_key, specs[-1].tied_key) == (("embed", "embed") if tied else (None, None))
     modules = [spec.build() for spec in specs]
@@ -145,7 +151,7 @@ def test_pipeline_pieces_compose_to_gpt_model(style):
         hidden = spec(module, hidden)
         if spec.kind in ("embedding", "layer", "final_norm"):
             assert hidden.shape == (config.seq_length, 2, config.hidden_size)  # one [s, b, h] tensor between stages
-    loss = lm_loss(hidden, labels)
+    loss = lm_loss(hidden, labels, None)
     loss.mean().backward()
     reference = loss_and_grads(GPTModel(config), config)
     close(loss.detach(), reference[0], f"{style} pipeline loss")
@@ -232,6 +238,33 @@ def test_config_errors_name_the_flag():
     with pytest.raises(ModelConfigError, match="--sequence-parallel needs --seq-length 6 divisible"):
         GPTConfig(**dict(BASE, seq_length=6, sequence_parallel=True)).validate(tp=4)
     assert GPTConfig(**dict(BASE, swiglu=True, hidden_size=4096, num_attention_heads=32)).ffn_hidden_size == 10880
+
+
+def _imported_names(path: Path) -> list[str]:
+    """Every module or name an ``import`` statement of ``path`` reaches, dotted (relative ones with their dots)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_the_model_never_imports_the_parallel_state():
+    """The model depends only on its arguments: the TP group is passed in, never read from a global."""
+    model_dir = Path(megatron_ds.model.__file__).parent
+    sources = sorted(model_dir.rglob("*.py"))
+    assert {p.name for p in sources} >= {"gpt.py", "attention.py", "config.py"}
+    for path in sources:
+        offending = [n for n in _imported_names(path) if "parallel.state" in n]
+        assert not offending, f"{path.relative_to(model_dir.parent.parent)} imports {offending}"
+        assert "get_state" not in path.read_text(), f"{path.name} reads the global parallel state"
+    # not even indirectly: importing the model leaves the parallel state module unloaded
+    code = "import sys, megatron_ds.model; print('megatron_ds.parallel.state' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_sequence_longer_than_positions_is_an_error():

@@ -3,6 +3,8 @@
 Cases cover GPT-2 style (learned positions, LayerNorm, GeLU, tied, biases) and LLaMA style (rope,
 RMSNorm, SwiGLU, GQA with 2 kv heads, untied, no biases), with and without sequence parallelism,
 activation checkpointing, and hidden dropout (same seed: the masks match by construction).
+The model depends only on its arguments: inside the same TP=2 world, a model built without a group
+is the whole TP=1 model, and only the group passed in slices it.
 Tolerance: fp32, max |a - b| <= 1e-5 * max|b| + 1e-7 per tensor (relative ~1e-5).
 """
 
@@ -11,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ds.model.config import GPTConfig
-from megatron_ds.model.gpt import GPTModel
+from megatron_ds.model.config import GPTConfig, ModelConfigError
+from megatron_ds.model.gpt import GPTModel, gpt_stage_specs
 from megatron_ds.parallel import state
 from megatron_ds.parallel.layers import slice_chunks
 from megatron_ds.parallel.testing import run_on_ranks
@@ -42,10 +44,10 @@ def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:], weights
 
 
-def run_case(config: GPTConfig) -> dict:
+def run_case(config: GPTConfig, tp_group=None) -> dict:
     """Loss, logits and every gradient of one forward/backward (the same code at any TP)."""
     tokens, labels, weights = batch()
-    model = GPTModel(config)
+    model = GPTModel(config, tp_group=tp_group)
     torch.manual_seed(123)  # same RNG on every rank and at TP=1: dropout masks agree
     loss = model(tokens, labels)
     (loss * weights).sum().backward()
@@ -62,9 +64,28 @@ TP2_ONLY = {"attn_dropout": ATTENTION_DROPOUT,
             "llama_bf16_sp": dict(LLAMA, sequence_parallel=True, params_dtype=torch.bfloat16)}
 
 
+def piece_shapes(config: GPTConfig, tp_group=None) -> list[dict]:
+    """Parameter shapes of each piece ``gpt_stage_specs`` builds."""
+    return [{n: tuple(p.shape) for n, p in spec.build().named_parameters()}
+            for spec in gpt_stage_specs(config, tp_group=tp_group)]
+
+
 def tp2_worker() -> dict:
-    assert state.get_state().tp_size == TP
-    return {name: run_case(GPTConfig(**kw)) for name, kw in {**CASES, **TP2_ONLY}.items()}
+    st = state.get_state()
+    assert st.tp_size == TP
+    results = {name: run_case(GPTConfig(**kw), st.tp_group) for name, kw in {**CASES, **TP2_ONLY}.items()}
+    # the same calls without a group, in this TP=2 world: the whole model, no communication
+    results["no_group"] = run_case(GPTConfig(**CASES["llama_sp"]))
+    results["pieces"] = {"sliced": piece_shapes(GPTConfig(**LLAMA), st.tp_group),
+                         "whole": piece_shapes(GPTConfig(**LLAMA))}
+    one_kv_head = GPTConfig(**dict(LLAMA, num_key_value_heads=1))  # cannot split over 2 ranks
+    results["one_kv_head_whole"] = sum(p.numel() for p in GPTModel(one_kv_head).parameters())
+    for build in (lambda: GPTModel(one_kv_head, tp_group=st.tp_group),
+                  lambda: gpt_stage_specs(one_kv_head, tp_group=st.tp_group)):
+        with pytest.raises(ModelConfigError, match="--num-key-value-heads 1 must be divisible by "
+                                                   "--tensor-model-parallel-size 2"):
+            build()
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +145,54 @@ def test_tp2_bf16_params_close_to_tp1(tp2):
         assert all(g.dtype == torch.bfloat16 for g in got["grads"].values())
         err = (got["loss"] - reference["loss"]).abs().max().item()
         assert err <= 1e-2 * reference["loss"].abs().max().item(), f"rank {r} bf16 loss error {err:.3g}"
+
+
+def test_model_depends_only_on_its_arguments(tp2):
+    """Under a TP=2 parallel state, GPTModel(config) is the whole model; tp_group=... slices it."""
+    config = GPTConfig(**CASES["llama_sp"])
+    reference = run_case(config)
+    for r, result in enumerate(tp2):
+        got = result["no_group"]
+        close(got["loss"], reference["loss"], f"rank {r} loss without a group")
+        close(got["logits"], reference["logits"], f"rank {r} logits without a group (full vocabulary)")
+        assert got["grads"].keys() == reference["grads"].keys()
+        for name, full in reference["grads"].items():
+            close(got["grads"][name], full, f"rank {r} grad of {name} without a group")
+        # the stage specs likewise: the group passed in, and only it, slices the pieces
+        whole, sliced = result["pieces"]["whole"], result["pieces"]["sliced"]
+        assert whole == piece_shapes(GPTConfig(**LLAMA))
+        h, v = LLAMA["hidden_size"], LLAMA["vocab_size"]
+        assert (whole[0]["word_embeddings.weight"], sliced[0]["word_embeddings.weight"]) == ((v, h), (v // TP, h))
+        assert sliced[1]["attention.qkv.weight"][0] * TP == whole[1]["attention.qkv.weight"][0]
+        assert sliced[-1]["linear.weight"] == (v // TP, h)
+        # a shape that cannot split over the group is refused where the group enters (see tp2_worker)
+        assert result["one_kv_head_whole"] == GPTConfig(**dict(LLAMA, num_key_value_heads=1)).num_parameters()
+
+
+def pipeline_worker() -> dict:
+    """This rank's stage of DeepSpeed's PipelineModule built from the stage specs (TP=2 x PP=2)."""
+    import deepspeed
+
+    from megatron_ds.training.engine import pipeline_module
+
+    st = state.get_state()
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    module = pipeline_module(GPTConfig(**GPT2), st)
+    pieces = [m for m in module.modules() if hasattr(m, "group") and m is not module]
+    return {"pp_rank": st.pp_rank, "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()},
+            "all_pieces_on_tp_group": bool(pieces) and all(m.group is st.tp_group for m in pieces)}
+
+
+def test_deepspeed_pipeline_builds_pieces_with_the_tp_group():
+    """The group travels in the specs' keyword arguments through LayerSpec and TiedLayerSpec."""
+    h, v = GPT2["hidden_size"], GPT2["vocab_size"]
+    results = run_on_ranks(pipeline_worker, 4, tp=TP, pp=2)
+    assert sorted(r["pp_rank"] for r in results) == [0, 0, 1, 1]
+    for r, result in enumerate(results):
+        shapes = result["shapes"]
+        assert result["all_pieces_on_tp_group"], f"rank {r}"
+        # the tied embedding on the first stage and the tied head on the last: this rank's vocab rows
+        assert shapes["tied_modules.embed.word_embeddings.weight"] == (v // TP, h), f"rank {r}"
+        qkv = [shape for name, shape in shapes.items() if name.endswith("attention.qkv.weight")]
+        assert qkv == [(3 * h // TP, h)], f"rank {r}: one layer per stage, heads split: {qkv}"
+        assert ("tied_modules.embed.position_embeddings" in shapes) == (result["pp_rank"] == 0)
