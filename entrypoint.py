@@ -31,7 +31,10 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a usage error, like any command without its required arguments
+        print(f"entrypoint: no command given\n\n{usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]

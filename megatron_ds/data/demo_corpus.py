@@ -1,6 +1,7 @@
 """The embedded demo corpus: the standard library's own .py sources, no download.
 
-``prepare(dest)`` collects them deterministically (sorted paths, capped size), trains a small
+``prepare(dest)`` collects them deterministically (a seeded shuffle of all of them, then a size
+cap, so train and validation splits are both drawn from across the whole library), trains a small
 byte-level BPE on them with `tokenizers`, saves it in GPT-2's vocab.json + merges.txt form and
 runs our own preprocess with ``--append-eod``. A manifest keyed by a hash of the corpus and the
 recipe makes a second call instant; a lock makes concurrent callers build it once.
@@ -15,11 +16,14 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import sys
 import sysconfig
 from dataclasses import asdict, dataclass
 
-RECIPE = {"format": 1, "cap_bytes": 4_000_000, "vocab_size": 4096, "min_frequency": 2}
+# Part of the cache key: changing any of these rebuilds a cached corpus.
+RECIPE = {"format": 2, "order": "shuffled", "seed": 1234, "cap_bytes": 4_000_000, "max_document_bytes": 250_000,
+          "vocab_size": 4096, "min_frequency": 2}
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "idlelib"}
 MANIFEST = "manifest.json"
 
@@ -35,20 +39,28 @@ class DemoCorpus:
 
 
 def collect_sources(cap_bytes: int = RECIPE["cap_bytes"]) -> list[tuple[str, str]]:
-    """(relative path, text) of stdlib .py files in sorted path order until cap_bytes of text."""
+    """(relative path, text) of stdlib .py files in a fixed shuffled order until cap_bytes of text.
+
+    Sorted paths would stop the corpus in encodings/ and make the last documents (the validation
+    split) a handful of codec tables; a seeded shuffle of every path spreads both splits over the
+    whole library, the same on every run with the same Python. Documents over max_document_bytes
+    (pydoc_data/topics.py: 750 KB of prose) are left out so that no single file dominates.
+    """
     root = sysconfig.get_paths()["stdlib"]
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
         paths += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(".py")]
+    paths.sort()  # os.walk's order is the file system's
+    random.Random(RECIPE["seed"]).shuffle(paths)
     docs, total = [], 0
-    for rel in sorted(paths):
+    for rel in paths:
         try:
             with open(os.path.join(root, rel), encoding="utf-8") as f:
                 text = f.read()
         except (UnicodeDecodeError, OSError):
             continue
-        if not text.strip():
+        if not text.strip() or len(text.encode("utf-8")) > RECIPE["max_document_bytes"]:
             continue
         docs.append((rel, text))
         total += len(text.encode("utf-8"))

@@ -178,23 +178,22 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
 
 
 def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, profile: str | None = None,
-                strict: bool = False, label: bool = False, tee_dir: str | None = None,
-                grace: float = 5.0, signal_grace: float | None = None, plan: Plan | None = None) -> int | None:
+                signal_grace: float | None = None, plan: Plan | None = None) -> int | None:
     """Called by `entrypoint train` after its config validated.
 
     Returns None when this process is a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT set in os.environ, profile applied, CPUs bound); otherwise spawns
     `entrypoint <child_argv>` per local rank, supervises them and returns the exit code
-    (2 when the launcher's variables or the profile are inconsistent).
+    (2 when the launcher's variables or the profile are inconsistent). `entrypoint launch`'s
+    --strict, --label, --tee and --grace go through spawn_ranks / enter_rank directly.
     """
     try:
         plan = plan or make_plan(nproc_per_node, profile)
         if plan.spawn:
             argv = [sys.executable, "-m", "entrypoint", *child_argv]
-            return spawn_ranks(plan, argv, strict=strict, grace=grace, signal_grace=signal_grace, label=label,
-                               tee_dir=tee_dir)
+            return spawn_ranks(plan, argv, signal_grace=signal_grace)
         preloaded = os.environ.get("LD_PRELOAD")
-        enter_rank(plan, strict=strict)
+        enter_rank(plan)
         if os.environ.get("LD_PRELOAD") != preloaded:
             # a preload only takes effect at process start: run this rank again, now with it
             sys.stdout.flush()

@@ -4,6 +4,11 @@ Each rank runs in its own session (process group), so stopping a rank also stops
 started. When one rank fails the others get SIGTERM, then SIGKILL once a shared grace deadline
 passes; every group is reaped, and the exit code is the first failed rank's (signal N -> 128+N).
 SIGTERM, SIGINT and SIGUSR1 received by the supervisor are forwarded to every rank.
+
+A rank that is still not reaped `reap_wait` seconds (default 30) after its SIGKILL (a process in
+uninterruptible sleep on a hung filesystem or driver, or one whose exit a tracer holds) is named
+in an error and left behind: the supervisor returns the exit code anyway (137 when no rank had
+failed), so the job ends rather than hangs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from pathlib import Path
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOPPING = (signal.SIGTERM, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1
+REAP_WAIT = 30.0  # seconds after SIGKILL before an unreaped rank is given up on
+_STATES = {"D": "uninterruptible sleep: a hung filesystem, device or driver call",
+           "Z": "exited, but its exit is held, e.g. by a tracer"}
 
 
 @dataclass
@@ -86,14 +94,17 @@ class _Output:
 
 class Supervisor:
     def __init__(self, specs: list[RankSpec], *, grace: float = 5.0, signal_grace: float | None = None,
-                 label: bool = False, tee_dir: str | None = None):
+                 label: bool = False, tee_dir: str | None = None, reap_wait: float = REAP_WAIT):
         self.specs, self.grace, self.label, self.tee_dir = specs, grace, label, tee_dir
+        self.reap_wait = reap_wait
         # after a TERM/INT from outside, ranks may need longer than `grace` (e.g. to save a checkpoint)
         self.signal_grace = grace if signal_grace is None else signal_grace
         self.procs: list[subprocess.Popen] = []
         self.outputs: list[_Output] = []
         self.failure: tuple[RankSpec, int] | None = None
         self.stop_deadline: float | None = None
+        self.kill_deadline: float | None = None  # set by the one SIGKILL: reaping waits no longer
+        self.abandoned: list[int] = []  # indices of ranks that could not be reaped
         self.received: list[int] = []
 
     # -- signals: forward at once; TERM/INT also start the shared stop deadline
@@ -124,16 +135,33 @@ class Supervisor:
             self.outputs = [_Output(s, p.stdout, self.label, self.tee_dir) for s, p in zip(self.specs, self.procs)]
 
     def _close(self) -> None:
-        """TERM the live ranks, wait against one deadline, KILL the rest, reap all, clear the groups."""
+        """TERM the live ranks, wait against one deadline, KILL the rest (once: a KILL is never lost)."""
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.grace
             self._signal_all(signal.SIGTERM)
         while any(p.poll() is None for p in self.procs) and time.monotonic() < self.stop_deadline:
             time.sleep(0.05)
-        if any(p.poll() is None for p in self.procs):
+        if any(p.poll() is None for p in self.procs) and self.kill_deadline is None:
             stragglers = [s.rank for s, p in zip(self.specs, self.procs) if p.poll() is None]
             _log(f"rank(s) {stragglers} still alive at the grace deadline after SIGTERM: SIGKILL")
             self._signal_all(signal.SIGKILL)
+            self.kill_deadline = time.monotonic() + self.reap_wait
+
+    def _abandon_unreaped(self) -> None:
+        """Name each rank still unreaped after its SIGKILL and stop waiting for it."""
+        for index, (spec, proc) in enumerate(zip(self.specs, self.procs)):
+            if proc.poll() is not None or index in self.abandoned:
+                continue
+            self.abandoned.append(index)
+            try:
+                state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                state = "?"
+            _log(f"ERROR: rank {spec.rank} (local rank {spec.local_rank}, pid {proc.pid}) could not be reaped "
+                 f"{self.reap_wait:g} s after SIGKILL (process state {state}: {_STATES.get(state, 'unknown')}); "
+                 f"leaving it behind so the job ends. Check that node for pid {proc.pid}.")
+            if self.failure is None:
+                self.failure = (spec, 128 + signal.SIGKILL)
 
     def run(self) -> int:
         in_main = threading.current_thread() is threading.main_thread()
@@ -151,15 +179,19 @@ class Supervisor:
                     self._close()
                 if all(c is not None for c in codes):
                     break
+                if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
+                    self._abandon_unreaped()
+                    break
                 time.sleep(0.05)
-            for proc in self.procs:
-                proc.wait()
         finally:
             self._signal_all(signal.SIGKILL, only_live=False)  # grandchildren left in a rank's group
-            for proc in self.procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            left = [p for i, p in enumerate(self.procs) if p.poll() is None and i not in self.abandoned]
+            for proc in left:  # only when run() is left by an exception
+                proc.kill()
+            deadline = time.monotonic() + self.reap_wait
+            while any(p.poll() is None for p in left) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._abandon_unreaped()
             for output in self.outputs:
                 output.close()
             for signum, handler in previous.items():
@@ -182,6 +214,7 @@ class Supervisor:
 
 
 def supervise(specs: list[RankSpec], *, grace: float = 5.0, signal_grace: float | None = None, label: bool = False,
-              tee_dir: str | None = None) -> int:
+              tee_dir: str | None = None, reap_wait: float = REAP_WAIT) -> int:
     """Run every rank to the end (or to the first failure) and return the launcher's exit code."""
-    return Supervisor(specs, grace=grace, signal_grace=signal_grace, label=label, tee_dir=tee_dir).run()
+    return Supervisor(specs, grace=grace, signal_grace=signal_grace, label=label, tee_dir=tee_dir,
+                      reap_wait=reap_wait).run()

@@ -24,6 +24,38 @@ def test_demo_corpus_is_a_valid_eod_terminated_dataset(demo_corpus):
     assert first["path"] == collect_sources()[0][0]
 
 
+def _package(path: str) -> str:
+    return path.split("/")[0] if "/" in path else "<top-level modules>"
+
+
+def test_the_validation_documents_come_from_across_the_library(demo_corpus):
+    """The demo's validation split (the last documents) must look like its training split: several parts
+    of the library, not one package (sorted paths once made it five encodings/ codec tables)."""
+    from megatron_ds.data.gpt_dataset import split_bounds
+    from megatron_ds.demo import SPLIT
+
+    paths = [path for path, _ in collect_sources()]
+    assert len(paths) == demo_corpus.num_documents
+    start, end = split_bounds(SPLIT, len(paths))[1]
+    valid = paths[start:end]
+    assert len(valid) >= 5, valid
+    assert len({_package(p) for p in valid}) >= 4, valid
+    assert sum(p.startswith("encodings/") for p in valid) <= len(valid) // 2, valid
+    packages = {_package(p) for p in paths}
+    assert len(packages) >= 30, sorted(packages)  # the training split spans the library too
+    assert paths != sorted(paths)
+
+
+SOURCES = "import json; from megatron_ds.data.demo_corpus import collect_sources; " \
+          "print(json.dumps([path for path, _ in collect_sources()]))"
+
+
+def test_the_document_order_is_the_same_in_every_process(tmp_path):
+    orders = [subprocess.run([sys.executable, "-c", SOURCES], check=True, timeout=120, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    assert orders[0] == orders[1] and json.loads(orders[0])[0] == collect_sources()[0][0]
+
+
 def test_second_prepare_is_instant_and_identical(demo_corpus):
     start = time.perf_counter()
     again = prepare(os.path.dirname(demo_corpus.prefix))
