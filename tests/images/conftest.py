@@ -29,9 +29,10 @@ def docker_client() -> str | None:
             continue
         if subprocess.run([client, "buildx", "version"], capture_output=True).returncode == 0:
             return client
+        # the client prints its version even when no daemon answers (and then exits 1)
         version = subprocess.run([client, "version", "--format", "{{.Client.Version}}"], capture_output=True, text=True)
         major = version.stdout.strip().split(".")[0]
-        if version.returncode == 0 and major.isdigit() and int(major) < 23:  # BuildKit built into the classic client
+        if major.isdigit() and int(major) < 23:  # BuildKit built into the classic client
             return client
     return None
 

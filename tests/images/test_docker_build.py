@@ -83,8 +83,10 @@ def test_editing_docs_or_benchmarks_rebuilds_nothing(docker, cpu_image, tmp_path
     """The recipes copy only what the install reads: a copy of the tree with README.md and bench/ edited
     builds from the layer cache alone (install and self check included)."""
     tree = tmp_path / "tree"
-    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv*", ".cache", "data", "runs", "build",
-                                                               "__pycache__", "*.egg-info", ".pytest_cache"))
+    local = {".git", ".cache", "data", "runs", "build", ".pytest_cache"}  # this checkout's own, at its top only
+    shutil.copytree(ROOT, tree, ignore=lambda folder, names: [
+        n for n in names if n == "__pycache__" or n.startswith(".venv") or n.endswith(".egg-info")
+        or (folder == str(ROOT) and n in local)])
     (tree / "README.md").write_text((tree / "README.md").read_text() + "\nan edit that no image needs\n")
     (tree / "bench" / "RESULTS.md").write_text((tree / "bench" / "RESULTS.md").read_text() + "\na new result\n")
     (tree / "bench" / "logs" / "new-run.log").write_text("iteration 1 lm loss 10.9\n")
