@@ -27,7 +27,7 @@ $(READY): pyproject.toml
 demo: $(READY) ## prepare the embedded corpus and train a small GPT on it (CPU or GPU)
 	$(PY) -m megatron_ds.demo
 
-test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=... narrows it; -m "not docker" deselects the image builds)
+test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=... narrows it; README: how to deselect the image builds)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-system: ## install the system packages the tests use (Slurm, MPI, shellcheck, Docker; root + apt) when missing
@@ -95,10 +95,12 @@ sqsh: ## squashfs of mds:latest for Slurm's pyxis/enroot -> mds.sqsh
 	@command -v enroot >/dev/null || { echo "make sqsh: enroot not found" >&2; exit 1; }
 	enroot import -o $(SQSH) dockerd://$(IMAGE)
 
-# ---- the MS-AMP image's oldest stack (torch 2.1 / DeepSpeed 0.13.1 / Python 3.10), checked here:
-# test-torch21 runs CPU tests on torch 2.1.2 (PyPI's CUDA wheel, ~2.5 GB with its nvidia-* libraries) with
-# the pinned DeepSpeed: DeepSpeed 0.13.1 itself cannot run on a CPU from PyPI (its CPU accelerator needs
-# intel_extension_for_pytorch 2.1 + oneccl_bind_pt); its API is checked statically against its source.
+# ---- the MS-AMP image's oldest stack (Python 3.10 / torch 2.1 / DeepSpeed 0.13.1, together only in that
+# image, on GPUs), checked here part by part: test-torch21 runs CPU tests on torch 2.1.2 (PyPI's CUDA wheel,
+# ~2.5 GB with its nvidia-* libraries) with the default images' DeepSpeed pin (cuda/versions) on this
+# machine's Python: DeepSpeed 0.13.1 itself cannot run on a CPU from PyPI (its CPU accelerator needs
+# intel_extension_for_pytorch 2.1 + oneccl_bind_pt); its API, and Python 3.10 syntax, are checked statically
+# (tests/images/test_oldest_stack.py, against 0.13.1's source from oldest-stack-sources).
 TORCH21_VENV  ?= .venv-torch21
 TORCH21_TESTS ?= tests/training tests/model tests/parallel tests/images/test_oldest_stack.py
 # Deselected, not megatron_ds limits: DeepSpeed 0.19.8's ZeRO 1-3 needs a newer torch than 2.1

@@ -3,8 +3,8 @@
 When no daemon answers, the fixture starts dockerd for the session (as root, like the Slurm fixture's
 daemons) and stops it at the end; a daemon that was already running is used and left alone. What cannot be
 had (no client, no dockerd, not root, a daemon that does not come up) fails the tests that need it, naming
-the piece: they are never skipped. `make test` installs docker.io when it is missing; `-m "not docker"`
-deselects these tests (pytest reports them as deselected).
+the piece: they are never skipped. `make test` installs docker.io when it is missing;
+`-m "not gpu and not upstream_src and not docker"` deselects these tests (pytest reports them as deselected).
 """
 
 from __future__ import annotations
