@@ -1,5 +1,7 @@
-# mds: `make demo` and `make test` set themselves up (a .venv in the repo) on a machine with only Python.
-# torch: an importable one is used as is; otherwise TORCH_SPEC is installed (CI passes the local CPU build).
+# mds: `make demo` and `make test` set themselves up on a fresh machine. Both make a .venv in the repo (torch:
+# an importable one is used as is; otherwise TORCH_SPEC is installed). `make test` also installs the system
+# packages its tests use when they are missing (scripts/setup-test-system.sh: root + apt-get; it says what and
+# why); the test fixtures start and stop the services (munged, slurmctld, slurmd, dockerd). `make help`: targets.
 
 PYTHON     ?= python3
 VENV       ?= .venv
@@ -8,14 +10,12 @@ PYTEST_ARGS ?=
 PY         := $(VENV)/bin/python
 READY      := $(VENV)/.mds-ready
 
-.PHONY: setup demo test help
+.PHONY: setup demo test test-system help
 
-help:
-	@echo "make demo    prepare the embedded corpus and run the demo job (CPU or GPU)"
-	@echo "make test    run the test suite (PYTEST_ARGS=... to narrow it)"
-	@echo "make bench   GPU benchmark stages (BENCH_STAGES=headline by default); results in bench/"
+help: ## list the targets, one line each
+	@awk -F':[^#]*## ' '/^[a-z0-9-]+:.*## / {printf "make %-21s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
 
-setup: $(READY)
+setup: $(READY) ## the .venv with torch (TORCH_SPEC when none imports) and megatron_ds[test], editable
 
 $(READY): pyproject.toml
 	@test -x $(PY) || { echo "+ $(PYTHON) -m venv --system-site-packages $(VENV)"; $(PYTHON) -m venv --system-site-packages $(VENV); }
@@ -24,17 +24,20 @@ $(READY): pyproject.toml
 	$(PY) -m pip install -e ".[test]"
 	@touch $@
 
-demo: $(READY)
+demo: $(READY) ## prepare the embedded corpus and train a small GPT on it (CPU or GPU)
 	$(PY) -m megatron_ds.demo
 
-test: $(READY) oldest-stack-sources
+test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=... narrows it; README: how to deselect the image builds)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-system: ## install the system packages the tests use (Slurm, MPI, shellcheck, Docker; root + apt) when missing
+	@bash scripts/setup-test-system.sh
 
 # GPU benchmarks (bench/device.sh lists the stages: headline single1 single2 longseq scaling big gputests
 # mfu levers headline2 headline3 gpu1).
 BENCH_STAGES ?= headline
 .PHONY: bench
-bench: $(READY)
+bench: $(READY) ## GPU benchmark stages (BENCH_STAGES=headline by default); results in bench/results
 	PYTHON=$(PY) bash bench/device.sh $(BENCH_STAGES)
 
 # ---- images: pins come from cuda/versions and rocm/versions (one --build-arg per line); every target
@@ -62,40 +65,42 @@ image_flags  = --progress=plain $(call image_pins,$(1)) \
 
 .PHONY: image image-rocm image-msamp image-cpu image-cpu-base sif sif-lumi sqsh
 
-image:
+image: ## the default CUDA image (Dockerfile, pins cuda/versions) -> mds:latest (IMAGE=...)
 	DOCKER_BUILDKIT=1 $(DOCKER) build $(call image_flags,cuda/versions,BASE_IMAGE) -f Dockerfile -t $(IMAGE) .
 
-image-rocm:
+image-rocm: ## the ROCm image (docker/rocm.Dockerfile, pins rocm/versions) -> mds:rocm
 	DOCKER_BUILDKIT=1 $(DOCKER) build $(call image_flags,rocm/versions,BASE_IMAGE) -f docker/rocm.Dockerfile -t $(IMAGE_ROCM) .
 
-image-msamp:
+image-msamp: ## the MS-AMP FP8 image (docker/msamp.Dockerfile, NGC 23.10) -> mds:msamp
 	DOCKER_BUILDKIT=1 $(DOCKER) build $(call image_flags,cuda/versions,MSAMP_BASE_IMAGE) -f docker/msamp.Dockerfile -t $(IMAGE_MSAMP) .
 
-image-cpu-base:
+image-cpu-base: ## the local CPU test base (debootstrap Debian + CPU torch wheel) -> mds-cpu-base:...
 	DOCKER=$(DOCKER) PIP_CA=$(PIP_CA) docker/cpu-base/build.sh $(CPU_BASE)
 
 # the default recipe built on the CPU test base (what CI builds and runs)
-image-cpu: image-cpu-base
+image-cpu: image-cpu-base ## the default recipe built on the CPU test base (what the tests build) -> mds:cpu
 	$(MAKE) --no-print-directory image BASE_IMAGE=$(CPU_BASE) IMAGE=$(IMAGE_CPU) \
 	  DOCKER_BUILD_FLAGS="--build-arg MDS_IMAGE_FLAVOUR=cpu $(DOCKER_BUILD_FLAGS)"
 
-sif:
+sif: ## Apptainer image from the Docker image in the local daemon (IMAGE=mds:latest) -> mds.sif
 	@test -n "$(APPTAINER)" || { echo "make sif: apptainer (or singularity) not found" >&2; exit 1; }
 	$(APPTAINER) build --build-arg IMAGE=$(IMAGE) $(SIF) apptainer/mds.def
 
-sif-lumi:
+sif-lumi: ## Apptainer image on LUMI's ROCm PyTorch container (build on LUMI) -> mds-lumi.sif
 	@test -n "$(APPTAINER)" || { echo "make sif-lumi: apptainer (or singularity) not found" >&2; exit 1; }
 	$(APPTAINER) build --build-arg-file rocm/versions $(SIF_LUMI) apptainer/lumi.def
 
 # squashfs for Slurm's pyxis/enroot (srun --container-image=./mds.sqsh)
-sqsh:
+sqsh: ## squashfs of mds:latest for Slurm's pyxis/enroot -> mds.sqsh
 	@command -v enroot >/dev/null || { echo "make sqsh: enroot not found" >&2; exit 1; }
 	enroot import -o $(SQSH) dockerd://$(IMAGE)
 
-# ---- the MS-AMP image's oldest stack (torch 2.1 / DeepSpeed 0.13.1 / Python 3.10), checked here:
-# test-torch21 runs CPU tests on torch 2.1.2 (PyPI's CUDA wheel, ~2.5 GB with its nvidia-* libraries) with
-# the pinned DeepSpeed: DeepSpeed 0.13.1 itself cannot run on a CPU from PyPI (its CPU accelerator needs
-# intel_extension_for_pytorch 2.1 + oneccl_bind_pt); its API is checked statically against its source.
+# ---- the MS-AMP image's oldest stack (Python 3.10 / torch 2.1 / DeepSpeed 0.13.1, together only in that
+# image, on GPUs), checked here part by part: test-torch21 runs CPU tests on torch 2.1.2 (PyPI's CUDA wheel,
+# ~2.5 GB with its nvidia-* libraries) with the default images' DeepSpeed pin (cuda/versions) on this
+# machine's Python: DeepSpeed 0.13.1 itself cannot run on a CPU from PyPI (its CPU accelerator needs
+# intel_extension_for_pytorch 2.1 + oneccl_bind_pt); its API, and Python 3.10 syntax, are checked statically
+# (tests/images/test_oldest_stack.py, against 0.13.1's source from oldest-stack-sources).
 TORCH21_VENV  ?= .venv-torch21
 TORCH21_TESTS ?= tests/training tests/model tests/parallel tests/images/test_oldest_stack.py
 # Deselected, not megatron_ds limits: DeepSpeed 0.19.8's ZeRO 1-3 needs a newer torch than 2.1
@@ -105,7 +110,7 @@ TORCH21_TESTS ?= tests/training tests/model tests/parallel tests/images/test_old
 TORCH21_DESELECT ?= -k "not test_zero_stages_match_zero0 and not test_bf16_without_zero_matches_zero1 and not (test_tp2_pp2_sequence_parallel_matches_tp1 and zero1)"
 .PHONY: test-torch21 oldest-stack-sources
 
-test-torch21: oldest-stack-sources
+test-torch21: oldest-stack-sources ## CPU model/training tests on torch 2.1.2 + the pinned DeepSpeed (cuda/versions), in .venv-torch21
 	test -x $(TORCH21_VENV)/bin/python || $(PYTHON) -m venv $(TORCH21_VENV)
 	printf 'torch==2.1.2\nnumpy<2\n' > $(TORCH21_VENV)/constraints.txt
 	$(TORCH21_VENV)/bin/python -m pip install -q -c $(TORCH21_VENV)/constraints.txt torch \
@@ -113,7 +118,7 @@ test-torch21: oldest-stack-sources
 	$(TORCH21_VENV)/bin/python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 	$(TORCH21_VENV)/bin/python -m pytest $(TORCH21_TESTS) $(TORCH21_DESELECT) $(PYTEST_ARGS)
 
-oldest-stack-sources: .cache/oldest-stack/deepspeed-0.13.1/deepspeed/__init__.py
+oldest-stack-sources: .cache/oldest-stack/deepspeed-0.13.1/deepspeed/__init__.py ## fetch DeepSpeed 0.13.1's source for the static oldest-stack checks (.cache/)
 
 .cache/oldest-stack/deepspeed-0.13.1/deepspeed/__init__.py:
 	mkdir -p .cache/oldest-stack

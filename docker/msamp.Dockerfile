@@ -24,6 +24,8 @@ ARG MDS_VERSION=0.1.0
 ARG MDS_SOURCE=https://github.com/mds-project/mds
 ARG PIN_CHECK=warn
 
+# io.mds.stack.*.pinned: the versions this recipe asks for (its pin file), not checked against the image;
+# what the image holds, pinned vs found, is recorded at build time in /opt/mds/stack.json (record-stack).
 LABEL org.opencontainers.image.title="mds-msamp" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with MS-AMP FP8 (CUDA, sm_90)" \
       org.opencontainers.image.version="${MDS_VERSION}" \
@@ -31,23 +33,27 @@ LABEL org.opencontainers.image.title="mds-msamp" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${MSAMP_BASE_IMAGE}" \
       io.mds.flavour="msamp" \
-      io.mds.stack.python="${MSAMP_PYTHON_VERSION}" \
-      io.mds.stack.torch="${MSAMP_TORCH_VERSION}" \
-      io.mds.stack.cuda="${MSAMP_CUDA_VERSION}" \
-      io.mds.stack.transformer-engine="${MSAMP_TE_REF}" \
-      io.mds.stack.deepspeed="${MSAMP_DEEPSPEED_VERSION}" \
-      io.mds.stack.flash-attn="${MSAMP_FLASH_ATTN_VERSION}" \
-      io.mds.stack.msamp="${MSAMP_REF} (${MSAMP_COMMIT})" \
-      io.mds.stack.msccl="${MSAMP_MSCCL_COMMIT}" \
-      io.mds.stack.torch-cuda-arch-list="${MSAMP_TORCH_CUDA_ARCH_LIST}"
+      io.mds.stack.python.pinned="${MSAMP_PYTHON_VERSION}" \
+      io.mds.stack.torch.pinned="${MSAMP_TORCH_VERSION}" \
+      io.mds.stack.cuda.pinned="${MSAMP_CUDA_VERSION}" \
+      io.mds.stack.transformer-engine.pinned="${MSAMP_TE_REF}" \
+      io.mds.stack.deepspeed.pinned="${MSAMP_DEEPSPEED_VERSION}" \
+      io.mds.stack.flash-attn.pinned="${MSAMP_FLASH_ATTN_VERSION}" \
+      io.mds.stack.msamp.pinned="${MSAMP_REF} (${MSAMP_COMMIT})" \
+      io.mds.stack.msccl.pinned="${MSAMP_MSCCL_COMMIT}" \
+      io.mds.stack.torch-cuda-arch-list.pinned="${MSAMP_TORCH_CUDA_ARCH_LIST}" \
+      io.mds.stack.record="/opt/mds/stack.json"
 
 ENV MDS_IMAGE_FLAVOUR=msamp \
     MDS_PATCH_MANIFEST=/opt/mds/patch-manifest.json \
     MDS_RANK_LD_PRELOAD=/usr/local/lib/libmsamp_dist.so:/usr/local/lib/libnccl.so \
     PYTHONUNBUFFERED=1
 
-COPY docker/steps/ /opt/mds/steps/
+# Rarely-changed steps first, our source last, and each step copies only the files it uses: editing a
+# README, a benchmark or a test rebuilds nothing; editing megatron_ds rebuilds the last two layers only.
+COPY docker/steps/lib.sh docker/steps/check-base.sh /opt/mds/steps/
 RUN sh /opt/mds/steps/check-base.sh
+COPY docker/steps/install-deepspeed.sh /opt/mds/steps/
 RUN --mount=type=secret,id=pip_ca DEEPSPEED_VERSION="$MSAMP_DEEPSPEED_VERSION" \
         TORCH_CUDA_ARCH_LIST="$MSAMP_TORCH_CUDA_ARCH_LIST" sh /opt/mds/steps/install-deepspeed.sh
 # flash-attn <= 2.3.3 and Transformer Engine 1.1: the versions MS-AMP v0.4.0 was validated with
@@ -58,16 +64,24 @@ RUN --mount=type=secret,id=pip_ca . /opt/mds/steps/lib.sh && \
         "git+https://github.com/NVIDIA/TransformerEngine.git@$MSAMP_TE_REF" && \
     pin_installed flash-attn transformer-engine
 COPY patches/ /opt/mds/patches/
+COPY docker/steps/fetch-source.sh docker/steps/install-msamp.sh /opt/mds/steps/
 RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-msamp.sh
+COPY docker/steps/install-deps.sh /opt/mds/steps/
 COPY pyproject.toml /opt/mds/deps/pyproject.toml
 RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-deps.sh /opt/mds/deps/pyproject.toml
 
-COPY . /opt/mds/src/
+# what `pip install` of megatron_ds reads: the package, the command, the site profiles (data-files)
+COPY docker/steps/install-mds.sh docker/steps/record-stack.sh docker/steps/record_stack.py /opt/mds/steps/
+COPY pyproject.toml entrypoint.py /opt/mds/src/
+COPY cuda/profiles/ /opt/mds/src/cuda/profiles/
+COPY rocm/profiles/ /opt/mds/src/rocm/profiles/
+COPY megatron_ds/ /opt/mds/src/megatron_ds/
 RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src && \
     PYTHON_VERSION="$MSAMP_PYTHON_VERSION" TORCH_VERSION="$MSAMP_TORCH_VERSION" CUDA_VERSION="$MSAMP_CUDA_VERSION" \
     DEEPSPEED_VERSION="$MSAMP_DEEPSPEED_VERSION" FLASH_ATTN_VERSION="$MSAMP_FLASH_ATTN_VERSION" \
         sh /opt/mds/steps/record-stack.sh PYTHON_VERSION TORCH_VERSION CUDA_VERSION DEEPSPEED_VERSION FLASH_ATTN_VERSION
 
+COPY docker/steps/self-check.sh /opt/mds/steps/
 RUN sh /opt/mds/steps/self-check.sh
 
 # declared last: a new commit must not invalidate the cached layers above

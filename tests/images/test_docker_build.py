@@ -1,16 +1,16 @@
 """The recipes built for real on a local CPU base, then run: doctor, a 2-rank collective through
 `entrypoint launch`, and a 20-step CPU training run of a tiny GPT on the embedded corpus.
 
-Needs a Docker daemon and a BuildKit-capable client (.ci/run starts dockerd and sets
-MDS_REQUIRE_DOCKER=1, so there a missing daemon fails these tests instead of skipping them). The CPU
-base (Debian bookworm by debootstrap + the CPU torch wheel) is built once and cached by its tag; the
-image builds reuse Docker's layer cache, so a rerun takes seconds.
+Needs a Docker daemon and a BuildKit-capable client: the `docker` fixture (conftest.py) starts dockerd when
+none answers and fails these tests, naming the missing piece, when it cannot (the `docker` marker
+deselects them: README). The CPU base (Debian bookworm by debootstrap + the CPU torch wheel) is built once and cached by its
+tag; the image builds reuse Docker's layer cache, so a rerun takes seconds.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import shutil
 import subprocess
 
@@ -18,41 +18,11 @@ import pytest
 
 from .recipes import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 IMAGE = "mds:cpu-test"
 ROCM_IMAGE = "mds:rocm-cpu-test"
 BUILD_TIMEOUT_S = 1500
-
-
-def docker_client() -> str | None:
-    """A client that can build with BuildKit (RUN --mount): docker + buildx, or Debian's 20.10 client."""
-    candidates = [os.environ.get("DOCKER"), shutil.which("docker"), "/usr/bin/docker"]
-    for client in filter(None, dict.fromkeys(candidates)):
-        if not shutil.which(client):
-            continue
-        if subprocess.run([client, "buildx", "version"], capture_output=True).returncode == 0:
-            return client
-        version = subprocess.run([client, "version", "--format", "{{.Client.Version}}"], capture_output=True, text=True)
-        if version.returncode == 0 and version.stdout.strip().split(".")[0].isdigit() \
-                and int(version.stdout.strip().split(".")[0]) < 23:  # BuildKit built into the classic client
-            return client
-    return None
-
-
-@pytest.fixture(scope="module")
-def docker():
-    client = docker_client()
-    reason = None
-    if client is None:
-        reason = "no Docker client that builds with BuildKit (docker buildx, or Debian's docker.io)"
-    elif subprocess.run([client, "info"], capture_output=True, timeout=60).returncode != 0:
-        reason = f"no Docker daemon reachable by {client} (start dockerd: .ci/run does)"
-    if reason:
-        if os.environ.get("MDS_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"MDS_REQUIRE_DOCKER=1 but {reason}")
-        pytest.skip(reason)
-    return client
 
 
 def make(docker, *targets_and_vars, timeout=BUILD_TIMEOUT_S):
@@ -85,14 +55,51 @@ def test_build_says_what_it_skips_and_ends_with_the_self_check(docker, cpu_image
     assert "mds doctor (flavour cpu" in report and "all checks passed" in report
 
 
-def test_labels_record_the_pinned_stack(docker, cpu_image):
+def test_labels_name_the_pins_and_where_the_found_stack_is(docker, cpu_image):
+    """Labels carry the versions the recipe asked for, named as pins; what the image holds is recorded in
+    /opt/mds/stack.json at build time (on the CPU base torch differs from its pin: the label must not say otherwise)."""
     out = subprocess.run([docker, "image", "inspect", IMAGE, "--format", "{{json .Config.Labels}}"],
                          capture_output=True, text=True, check=True).stdout
     labels = json.loads(out)
     assert labels["org.opencontainers.image.version"] == "0.1.0"
     assert labels["org.opencontainers.image.base.name"].startswith("mds-cpu-base:")
-    assert labels["io.mds.stack.deepspeed"] == "0.19.8" and labels["io.mds.flavour"] == "cpu"
-    assert labels["io.mds.stack.torch"] and labels["org.opencontainers.image.revision"]
+    assert labels["io.mds.stack.deepspeed.pinned"] == "0.19.8" and labels["io.mds.flavour"] == "cpu"
+    assert labels["io.mds.stack.torch.pinned"] and labels["org.opencontainers.image.revision"]
+    unqualified = [key for key in labels if key.startswith("io.mds.stack.") and not key.endswith(".pinned")]
+    assert unqualified == ["io.mds.stack.record"], f"stack labels that do not say they are pins: {unqualified}"
+    stack = json.loads(run(docker, IMAGE, "cat", labels["io.mds.stack.record"])[1])
+    assert stack["pinned"]["TORCH_VERSION"] == labels["io.mds.stack.torch.pinned"]
+    assert stack["found"]["TORCH_VERSION"].startswith("2.13.0") and "TORCH_VERSION" in stack["differs"]
+
+
+def build_steps(log: str) -> dict[str, str]:
+    """BuildKit's plain log: instruction text -> 'CACHED' or 'RAN' for each step of the recipe."""
+    steps = dict(re.findall(r"^#(\d+) \[\s*\d+/\d+\] (.+)$", log, re.M))
+    cached = set(re.findall(r"^#(\d+) CACHED$", log, re.M))
+    return {instruction: "CACHED" if number in cached else "RAN" for number, instruction in steps.items()}
+
+
+def test_editing_docs_or_benchmarks_rebuilds_nothing(docker, cpu_image, tmp_path):
+    """The recipes copy only what the install reads: a copy of the tree with README.md and bench/ edited
+    builds from the layer cache alone (install and self check included)."""
+    tree = tmp_path / "tree"
+    local = {".git", ".cache", "data", "runs", "build", ".pytest_cache"}  # this checkout's own, at its top only
+    shutil.copytree(ROOT, tree, ignore=lambda folder, names: [
+        n for n in names if n == "__pycache__" or n.startswith(".venv") or n.endswith(".egg-info")
+        or (folder == str(ROOT) and n in local)])
+    (tree / "README.md").write_text((tree / "README.md").read_text() + "\nan edit that no image needs\n")
+    (tree / "bench" / "RESULTS.md").write_text((tree / "bench" / "RESULTS.md").read_text() + "\na new result\n")
+    (tree / "bench" / "logs" / "new-run.log").write_text("iteration 1 lm loss 10.9\n")
+    result = subprocess.run(["make", "--no-print-directory", "image-cpu", "IMAGE_CPU=mds:cache-test",
+                             f"DOCKER={docker}"], cwd=tree, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    steps = build_steps(log)
+    runs = {instruction: state for instruction, state in steps.items() if instruction.startswith("RUN")}
+    assert any("install-mds.sh" in i for i in runs) and any("self-check.sh" in i for i in runs), log[-6000:]
+    rebuilt = [i for i, state in steps.items() if state != "CACHED" and not i.startswith("FROM")]
+    assert not rebuilt, f"editing README.md and bench/ rebuilt: {rebuilt}"
+    subprocess.run([docker, "rmi", "mds:cache-test"], capture_output=True)
 
 
 def test_doctor_in_the_image(docker, cpu_image):

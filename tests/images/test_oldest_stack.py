@@ -237,7 +237,8 @@ def deepspeed_old_source() -> Path:
     for candidate in candidates:
         if (candidate / "deepspeed" / "__init__.py").is_file():
             return candidate
-    pytest.skip("DeepSpeed 0.13.1 source not at hand: `make oldest-stack-sources` (or MDS_DEEPSPEED_OLD_SRC=DIR)")
+    pytest.fail("DeepSpeed 0.13.1 source not at hand: `make oldest-stack-sources` fetches it (`make test` does), "
+                "or MDS_DEEPSPEED_OLD_SRC=DIR names an unpacked sdist")
 
 
 def test_deepspeed_names_exist_in_0_13_1():

@@ -47,16 +47,79 @@ def test_dockerfile_lint(recipe):
                 assert "--mount=type=secret,id=pip_ca" in rest, f"{recipe}: pip step without the pip_ca secret: {rest}"
     labels = " ".join(rest for instruction, rest in steps if instruction == "LABEL")
     for key in ("org.opencontainers.image.version", "org.opencontainers.image.source",
-                "org.opencontainers.image.revision", "org.opencontainers.image.base.name", "io.mds.stack.torch",
-                "io.mds.stack.deepspeed"):
+                "org.opencontainers.image.revision", "org.opencontainers.image.base.name",
+                "io.mds.stack.torch.pinned", "io.mds.stack.deepspeed.pinned", "io.mds.stack.record"):
         assert key + "=" in labels, f"{recipe}: LABEL {key} missing"
+    # a version label is the pin asked for, never stated as what the image holds (stack.json records that)
+    stack_keys = re.findall(r"(io\.mds\.stack\.[\w.-]+)=", labels)
+    assert all(key.endswith(".pinned") for key in stack_keys if key != "io.mds.stack.record"), \
+        f"{recipe}: stack labels must say they are pins (io.mds.stack.NAME.pinned): {stack_keys}"
     runs = [rest for instruction, rest in steps if instruction == "RUN"]
     assert runs[0].endswith("check-base.sh"), f"{recipe}: the first RUN must be the base preflight"
     assert runs[-1].endswith("self-check.sh"), f"{recipe}: the last RUN must be the self check"
-    # cache-friendly: the source tree is copied after every dependency install
-    copy_all = next(i for i, (ins, rest) in enumerate(steps) if ins == "COPY" and rest.startswith(". "))
+    # cache-friendly: our source is copied after every dependency install
+    source = next(i for i, (ins, rest) in enumerate(steps) if ins == "COPY" and rest.startswith("megatron_ds/ "))
     assert not any(re.search(r"install-(deepspeed|deps|gpu-extension|msamp)", rest)
-                   for ins, rest in steps[copy_all:]), f"{recipe}: a dependency is installed after COPY ."
+                   for ins, rest in steps[source:]), f"{recipe}: a dependency is installed after COPY megatron_ds/"
+
+
+# What an image build reads from the repository: anything else (README, bench/, tests/) in a COPY would
+# rebuild the install and self-check layers on every edit of a document or a benchmark log.
+INSTALL_INPUTS = {"pyproject.toml", "entrypoint.py", "megatron_ds", "cuda", "rocm", "patches", "docker"}
+
+
+def copy_sources(recipe) -> list[str]:
+    sources = []
+    for instruction, rest in dockerfile_instructions(recipe):
+        if instruction == "COPY":
+            sources += [word for word in rest.split()[:-1] if not word.startswith("--")]
+    return sources
+
+
+@pytest.mark.parametrize("recipe", sorted(DOCKERFILES))
+def test_no_whole_context_copy(recipe):
+    for source in copy_sources(recipe):
+        top = source.strip("/").split("/")[0]
+        assert top not in ("", ".", "..", "*") and "*" not in top, \
+            f"{recipe}: COPY {source} copies the whole build context: copy only what the install needs"
+        assert top in INSTALL_INPUTS, f"{recipe}: COPY {source}: not an install input ({sorted(INSTALL_INPUTS)})"
+
+
+@pytest.mark.parametrize("definition", sorted(DEFINITIONS))
+def test_no_whole_tree_in_apptainer_files(definition):
+    for line in definition_sections(definition)["files"].splitlines():
+        source = line.split()[0].strip("/")
+        assert source not in ("", ".", "*") and source.split("/")[0] in INSTALL_INPUTS, \
+            f"{definition}: %files {line.strip()}: copy only what the install needs"
+
+
+def step_needs(script: str) -> set[str]:
+    """A step script and the scripts it sources or runs ($(dirname "$0")/NAME), transitively."""
+    needed, todo = set(), [script]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        todo += re.findall(r'\$\(dirname "\$0"\)/([\w.-]+)', (ROOT / "docker" / "steps" / name).read_text())
+    return needed
+
+
+@pytest.mark.parametrize("recipe", sorted(DOCKERFILES))
+def test_step_scripts_are_copied_before_the_step_that_runs_them(recipe):
+    """Each RUN's step scripts (and what they source or call) are in the image by then: the recipes copy
+    each script just before its first use, so editing a late step does not rebuild the early ones."""
+    copied: set[str] = set()
+    for instruction, rest in dockerfile_instructions(recipe):
+        words = rest.split()
+        if instruction == "COPY" and words[-1].rstrip("/") == "/opt/mds/steps":
+            for source in words[:-1]:
+                path = ROOT / source
+                copied |= {p.name for p in path.iterdir()} if path.is_dir() else {path.name}
+        if instruction == "RUN":
+            for script in re.findall(r"/opt/mds/steps/([\w.-]+)", rest):
+                missing = step_needs(script) - copied
+                assert not missing, f"{recipe}: RUN uses {script} before COPY of {sorted(missing)}: {rest[:80]}"
 
 
 def test_recipes_share_their_step_scripts():
@@ -69,7 +132,7 @@ def test_recipes_share_their_step_scripts():
 
 def test_shellcheck_step_scripts():
     if not shutil.which("shellcheck"):
-        pytest.skip("shellcheck not installed (.ci/run installs it: apt-get install shellcheck)")
+        pytest.fail("shellcheck not found: install it (`make test` does, as root: apt-get install shellcheck)")
     scripts = [*STEP_SCRIPTS, ROOT / "docker/cpu-base/build.sh"]
     result = subprocess.run(["shellcheck", "--shell=sh", "--external-sources", *map(str, scripts)],
                             cwd=ROOT / "docker" / "steps", capture_output=True, text=True)
@@ -104,6 +167,8 @@ def test_apptainer_definition(definition, tmp_path):
     assert sections["runscript"].strip().splitlines()[-1].strip() == 'exec entrypoint "$@"'
     assert any("self-check.sh" in line for line in recipe.install), f"{definition}: %test must run the self check"
     assert any(label.startswith("io.mds.flavour ") for label in recipe.labels)
+    stack_labels = [label.split()[0] for label in recipe.labels if label.startswith("io.mds.stack.")]
+    assert all(key.endswith(".pinned") for key in stack_labels), f"{definition}: stack labels must say they are pins"
     for entry in recipe.files:
         source = entry.split()[0]
         assert (ROOT / source).exists(), f"{definition}: %files {source}: no such path (build from the repo root)"

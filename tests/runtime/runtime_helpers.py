@@ -3,7 +3,7 @@
 The Slurm fixture starts munged, slurmctld and slurmd (Debian's slurm-wlm and munge, as root, no
 cgroups: proctrack/linuxproc, task/none) on private ports with a private slurm.conf naming this
 machine, and stops them at the end. When they cannot start, the tests fail with the daemons' logs:
-they are never skipped (.ci/run installs the packages).
+they are never skipped (`make test` installs the packages when missing: scripts/setup-test-system.sh).
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ class Slurm:
     def start(self) -> None:
         for tool in ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo"):
             if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
-                pytest.fail(f"{tool} not found: install slurm-wlm and munge (.ci/run does)")
+                pytest.fail(f"{tool} not found: install slurm-wlm and munge (`make test` does, as root)")
         if os.geteuid() != 0:
-            pytest.fail("the local Slurm needs root (slurmd runs as root); CI runs as root")
+            pytest.fail("the local Slurm needs root (slurmd runs as root): run the tests as root (CI does)")
         r = self.root
         r.chmod(0o700)
         (r / "state").mkdir()
