@@ -40,7 +40,7 @@ def test_torchrun(tmp_path):
 def test_open_mpi(tmp_path):
     mpirun = shutil.which("mpirun.openmpi") or shutil.which("mpirun")
     if mpirun is None:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+        pytest.fail("mpirun not found: install openmpi-bin (`make test` does, as root)")
     result = _run([mpirun, "-n", "2", "--allow-run-as-root", "--oversubscribe", "-x", "PATH",
                    ENTRYPOINT, "launch", "--", PY, str(PROBE), str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -52,7 +52,7 @@ def test_mpich_hydra(tmp_path):
     """MPICH's Hydra (as Intel MPI): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS."""
     mpiexec = shutil.which("mpiexec.hydra")
     if mpiexec is None:
-        pytest.fail("mpiexec.hydra not found: install mpich (.ci/run does)")
+        pytest.fail("mpiexec.hydra not found: install mpich (`make test` does, as root)")
     result = _run([mpiexec, "-n", "2", ENTRYPOINT, "launch", "--", PY, str(PROBE), str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
     ranks = assert_two_ranks(tmp_path, master="127.0.0.1")

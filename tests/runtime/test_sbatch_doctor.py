@@ -33,7 +33,7 @@ def test_generated_scripts_pass_bash_n_and_shellcheck(tmp_path, name, flags):
     path = _generate(tmp_path, name, flags)
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     if shutil.which("shellcheck") is None:
-        pytest.fail("shellcheck not found: install it (.ci/run does)")
+        pytest.fail("shellcheck not found: install it (`make test` does, as root)")
     check = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
     text = path.read_text()
