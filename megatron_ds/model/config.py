@@ -50,12 +50,19 @@ def check_shape(*, num_layers: int, hidden_size: int, num_attention_heads: int, 
                         ("--num-attention-heads", heads), ("--seq-length", seq_length),
                         ("--num-key-value-heads", kv), ("--ffn-hidden-size", ffn)):
         _need(value >= 1, flag, f"{flag} must be >= 1, got {value}")
+    tp_flag = "--tensor-model-parallel-size"
     _need_divisible("--hidden-size", hidden_size, "--num-attention-heads", heads,
                     "every attention head has the same width")
+    _need_divisible("--num-attention-heads", heads, tp_flag, tp, "each tensor-parallel rank holds whole heads")
     _need(heads % kv == 0, "--num-key-value-heads",
           f"--num-attention-heads {heads} must be divisible by --num-key-value-heads {kv}: grouped-query attention "
           f"shares each key/value head among a whole group of query heads, so --num-key-value-heads must divide "
           f"--num-attention-heads {heads}")
+    _need_divisible("--num-key-value-heads", kv, tp_flag, tp,
+                    "each tensor-parallel rank holds whole key/value heads")
+    _need_divisible("--ffn-hidden-size", ffn, tp_flag, tp, "each tensor-parallel rank holds an equal slice of the MLP")
+    _need(not sequence_parallel or seq_length % tp == 0, "--sequence-parallel",
+          f"--sequence-parallel needs --seq-length {seq_length} divisible by {tp_flag} {tp}")
     _need(position_embedding_type in ("learned_absolute", "rope"), "--position-embedding-type",
           f"--position-embedding-type must be learned_absolute or rope, got {position_embedding_type!r}")
     head_dim = hidden_size // heads
@@ -65,13 +72,6 @@ def check_shape(*, num_layers: int, hidden_size: int, num_attention_heads: int, 
           f"--normalization must be LayerNorm or RMSNorm, got {normalization!r}")
     _need(seq_length <= positions, "--seq-length",
           f"--seq-length {seq_length} exceeds --max-position-embeddings {positions}")
-    tp_flag = "--tensor-model-parallel-size"
-    _need_divisible("--num-attention-heads", heads, tp_flag, tp, "each tensor-parallel rank holds whole heads")
-    _need_divisible("--num-key-value-heads", kv, tp_flag, tp,
-                    "each tensor-parallel rank holds whole key/value heads")
-    _need_divisible("--ffn-hidden-size", ffn, tp_flag, tp, "each tensor-parallel rank holds an equal slice of the MLP")
-    _need(not sequence_parallel or seq_length % tp == 0, "--sequence-parallel",
-          f"--sequence-parallel needs --seq-length {seq_length} divisible by {tp_flag} {tp}")
     _need(not torch_compile or compile_problem(tp) is None, "--torch-compile", f"--torch-compile {compile_problem(tp)}")
 
 

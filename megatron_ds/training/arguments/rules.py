@@ -30,7 +30,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _filled_values_given(args)
     _precision(args)
     dims = _layout(args, world_size)
-    _model_shape(args)
+    _model_shape(args, dims)
     _parallel_features(args)
     _batch(args, dims.dp)
     _schedule(args)
@@ -104,20 +104,20 @@ def _without_flag(flag: str | None, message: str) -> str:
 
 
 def _layout(args: argparse.Namespace, world_size: int):
-    """TP x PP x DP = world, and whole layers per pipeline stage (ParallelDims' arithmetic)."""
+    """TP x PP x DP = world (ParallelDims' arithmetic)."""
     from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
 
     try:
-        dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        dims.layers_per_stage(args.num_layers)
+        return ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     except ParallelConfigError as err:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
-    return dims
 
 
-def _model_shape(args: argparse.Namespace) -> None:
-    """The model config's shape rules at this TP size (the vocabulary is checked once the tokenizer exists)."""
+def _model_shape(args: argparse.Namespace, dims) -> None:
+    """The model config's shape rules at this TP size (the vocabulary is checked once the tokenizer exists),
+    and whole layers on every pipeline stage."""
     from megatron_ds.model.config import ModelConfigError, check_shape
+    from megatron_ds.parallel.state import ParallelConfigError
 
     try:
         check_shape(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -125,9 +125,9 @@ def _model_shape(args: argparse.Namespace) -> None:
                     num_key_value_heads=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
                     max_position_embeddings=args.max_position_embeddings, swiglu=args.swiglu,
                     position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-                    sequence_parallel=args.sequence_parallel, torch_compile=args.torch_compile,
-                    tp=args.tensor_model_parallel_size)
-    except ModelConfigError as err:
+                    sequence_parallel=args.sequence_parallel, torch_compile=args.torch_compile, tp=dims.tp)
+        dims.layers_per_stage(args.num_layers)
+    except (ModelConfigError, ParallelConfigError) as err:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
 
 
