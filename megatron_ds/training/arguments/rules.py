@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
 from megatron_ds.training.arguments.flags import TOKENIZER_INPUTS, ConfigError
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
 
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--train-iters")
 POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval")
+
+if TYPE_CHECKING:  # the model and parallel packages import torch: only the rules that need them load them
+    from megatron_ds.parallel.state import ParallelDims
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -103,7 +107,7 @@ def _without_flag(flag: str | None, message: str) -> str:
     return message[len(flag) + 1:] if flag and message.startswith(flag + " ") else message
 
 
-def _layout(args: argparse.Namespace, world_size: int):
+def _layout(args: argparse.Namespace, world_size: int) -> ParallelDims:
     """TP x PP x DP = world (ParallelDims' arithmetic)."""
     from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
 
@@ -113,7 +117,7 @@ def _layout(args: argparse.Namespace, world_size: int):
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
 
 
-def _model_shape(args: argparse.Namespace, dims) -> None:
+def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
     """The model config's shape rules at this TP size (the vocabulary is checked once the tokenizer exists),
     and whole layers on every pipeline stage."""
     from megatron_ds.model.config import ModelConfigError, check_shape
