@@ -163,12 +163,18 @@ def run_ours(args, flags: list[str]) -> dict:
 
 
 def _gradient_accumulation(shape: dict) -> int:
-    """Micro-batches per optimizer step, as ours takes them (DP from --nproc-per-node, else 1), so each GPU
-    of the baseline does the same work per step."""
+    """Micro-batches per optimizer step, by the train CLI's own rule with DP from --nproc-per-node (else 1), so
+    each GPU of the baseline does the same work per step. A shape that rule refuses failed our run already (its
+    record says why); the baseline then takes one micro-batch per step."""
+    from megatron_ds.training.arguments import ConfigError, accumulation_steps
+
     if not shape["global_batch_size"]:
         return 1
     dp = (shape["nproc_per_node"] or 1) // (shape["tensor_model_parallel_size"] * shape["pipeline_model_parallel_size"])
-    return max(1, shape["global_batch_size"] // (shape["micro_batch_size"] * max(1, dp)))
+    try:
+        return accumulation_steps(shape["global_batch_size"], shape["micro_batch_size"], max(1, dp))
+    except ConfigError:
+        return 1
 
 
 def run_baseline(args, flags: list[str]) -> dict:

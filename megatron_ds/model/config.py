@@ -10,7 +10,69 @@ from megatron_ds.torch_support import compile_problem
 
 
 class ModelConfigError(ValueError):
-    """A model shape that cannot be built (the message names the flag and the rule)."""
+    """A model shape that cannot be built: the message names the flag and the rule, `flag` is the flag to change."""
+
+    def __init__(self, message: str, flag: str | None = None):
+        super().__init__(message)
+        self.flag = flag
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """4h; swiglu has three matrices, so 2/3 of 4h keeps the MLP's parameter count (Megatron: floor to 64)."""
+    return 4 * hidden_size if not swiglu else int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
+def _need(ok: bool, flag: str | None, message: str) -> None:
+    if not ok:
+        raise ModelConfigError(message, flag)
+
+
+def _need_divisible(flag: str, value: int, by_flag: str, by: int, why: str) -> None:
+    _need(value % by == 0, flag, f"{flag} {value} must be divisible by {by_flag} {by} ({why}); "
+                                 f"{value} is not divisible by {by_flag} {by}")
+
+
+def check_shape(*, num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
+                num_key_value_heads: int | None = None, ffn_hidden_size: int | None = None,
+                max_position_embeddings: int | None = None, swiglu: bool = False,
+                position_embedding_type: str = "learned_absolute", normalization: str = "LayerNorm",
+                sequence_parallel: bool = False, torch_compile: bool = False, tp: int = 1) -> None:
+    """The shape rules that need no vocabulary, at tensor-parallel size tp (None fields take GPTConfig's defaults).
+
+    GPTConfig.validate runs them with the rest; argument validation runs them alone, before the tokenizer
+    (and so the padded vocabulary) exists. Raises ModelConfigError naming the flag.
+    """
+    heads = num_attention_heads
+    kv = heads if num_key_value_heads is None else num_key_value_heads
+    ffn = default_ffn_hidden_size(hidden_size, swiglu) if ffn_hidden_size is None else ffn_hidden_size
+    positions = seq_length if max_position_embeddings is None else max_position_embeddings
+    for flag, value in (("--num-layers", num_layers), ("--hidden-size", hidden_size),
+                        ("--num-attention-heads", heads), ("--seq-length", seq_length),
+                        ("--num-key-value-heads", kv), ("--ffn-hidden-size", ffn)):
+        _need(value >= 1, flag, f"{flag} must be >= 1, got {value}")
+    tp_flag = "--tensor-model-parallel-size"
+    _need_divisible("--hidden-size", hidden_size, "--num-attention-heads", heads,
+                    "every attention head has the same width")
+    _need_divisible("--num-attention-heads", heads, tp_flag, tp, "each tensor-parallel rank holds whole heads")
+    _need(heads % kv == 0, "--num-key-value-heads",
+          f"--num-attention-heads {heads} must be divisible by --num-key-value-heads {kv}: grouped-query attention "
+          f"shares each key/value head among a whole group of query heads, so --num-key-value-heads must divide "
+          f"--num-attention-heads {heads}")
+    _need_divisible("--num-key-value-heads", kv, tp_flag, tp,
+                    "each tensor-parallel rank holds whole key/value heads")
+    _need_divisible("--ffn-hidden-size", ffn, tp_flag, tp, "each tensor-parallel rank holds an equal slice of the MLP")
+    _need(not sequence_parallel or seq_length % tp == 0, "--sequence-parallel",
+          f"--sequence-parallel needs --seq-length {seq_length} divisible by {tp_flag} {tp}")
+    _need(position_embedding_type in ("learned_absolute", "rope"), "--position-embedding-type",
+          f"--position-embedding-type must be learned_absolute or rope, got {position_embedding_type!r}")
+    head_dim = hidden_size // heads
+    _need(position_embedding_type != "rope" or head_dim % 2 == 0, "--position-embedding-type",
+          f"rotary embeddings need an even head dim (--hidden-size / --num-attention-heads = {head_dim})")
+    _need(normalization in ("LayerNorm", "RMSNorm"), "--normalization",
+          f"--normalization must be LayerNorm or RMSNorm, got {normalization!r}")
+    _need(seq_length <= positions, "--seq-length",
+          f"--seq-length {seq_length} exceeds --max-position-embeddings {positions}")
+    _need(not torch_compile or compile_problem(tp) is None, "--torch-compile", f"--torch-compile {compile_problem(tp)}")
 
 
 @dataclass
@@ -46,9 +108,7 @@ class GPTConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.ffn_hidden_size is None:
-            # swiglu has three matrices; 2/3 of 4h keeps the MLP's parameter count (Megatron: floor to 64).
-            self.ffn_hidden_size = (4 * self.hidden_size if not self.swiglu
-                                    else int(4 * self.hidden_size * 2 / 3 / 64) * 64)
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         self.validate()
 
     @property
@@ -57,42 +117,19 @@ class GPTConfig:
 
     def validate(self, tp: int = 1) -> None:
         """Raise ModelConfigError naming the flag when this shape cannot run at tensor-parallel size tp."""
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ModelConfigError(message)
-
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-                     "num_key_value_heads", "ffn_hidden_size"):
-            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        need(self.hidden_size % self.num_attention_heads == 0,
-             f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads {self.num_attention_heads}")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"--num-attention-heads {self.num_attention_heads} must be divisible by "
-             f"--num-key-value-heads {self.num_key_value_heads}")
-        need(self.position_embedding_type in ("learned_absolute", "rope"),
-             f"--position-embedding-type must be learned_absolute or rope, got {self.position_embedding_type!r}")
-        need(self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
-             f"rotary embeddings need an even head dim (--hidden-size / --num-attention-heads = {self.head_dim})")
-        need(self.normalization in ("LayerNorm", "RMSNorm"),
-             f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
-        need(self.attention_backend in ("auto", "flash2", "sdpa", "reference"),
-             f"attention backend must be auto, flash2, sdpa or reference, got {self.attention_backend!r}")
-        need(self.max_position_embeddings >= self.seq_length,
-             f"--max-position-embeddings {self.max_position_embeddings} must be >= --seq-length {self.seq_length}")
-        need(self.params_dtype in (torch.float32, torch.bfloat16, torch.float16),
-             f"params_dtype must be float32, bfloat16 or float16, got {self.params_dtype}")
-        tp_flag = f"--tensor-model-parallel-size {tp}"
-        need(self.num_attention_heads % tp == 0,
-             f"--num-attention-heads {self.num_attention_heads} must be divisible by {tp_flag}")
-        need(self.num_key_value_heads % tp == 0,
-             f"--num-key-value-heads {self.num_key_value_heads} must be divisible by {tp_flag}")
-        need(self.ffn_hidden_size % tp == 0,
-             f"--ffn-hidden-size {self.ffn_hidden_size} must be divisible by {tp_flag}")
-        need(self.vocab_size % tp == 0,
-             f"padded vocabulary size {self.vocab_size} must be divisible by {tp_flag}")
-        need(not self.sequence_parallel or self.seq_length % tp == 0,
-             f"--sequence-parallel needs --seq-length {self.seq_length} divisible by {tp_flag}")
-        need(not self.torch_compile or compile_problem(tp) is None, f"--torch-compile {compile_problem(tp)}")
+        check_shape(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                    num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
+                    num_key_value_heads=self.num_key_value_heads, ffn_hidden_size=self.ffn_hidden_size,
+                    max_position_embeddings=self.max_position_embeddings, swiglu=self.swiglu,
+                    position_embedding_type=self.position_embedding_type, normalization=self.normalization,
+                    sequence_parallel=self.sequence_parallel, torch_compile=self.torch_compile, tp=tp)
+        _need(self.vocab_size >= 1, None, f"--vocab-size must be >= 1, got {self.vocab_size}")
+        _need(self.vocab_size % tp == 0, None,
+              f"padded vocabulary size {self.vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
+        _need(self.attention_backend in ("auto", "flash2", "sdpa", "reference"), "--attention-backend",
+              f"attention backend must be auto, flash2, sdpa or reference, got {self.attention_backend!r}")
+        _need(self.params_dtype in (torch.float32, torch.bfloat16, torch.float16), None,
+              f"params_dtype must be float32, bfloat16 or float16, got {self.params_dtype}")
 
     @property
     def tied_embeddings(self) -> bool:

@@ -18,7 +18,14 @@ import torch.distributed as dist
 
 
 class ParallelConfigError(ValueError):
-    """A tp x pp x dp layout that cannot fit the world; the message names every factor."""
+    """A tp x pp x dp layout that cannot fit the world (or the model); the message names every factor.
+
+    `flag` is the command-line flag to change (None for the world size, which the launcher sets).
+    """
+
+    def __init__(self, message: str, flag: str | None = None):
+        super().__init__(message)
+        self.flag = flag
 
 
 @dataclass(frozen=True)
@@ -30,15 +37,24 @@ class ParallelDims:
     pp: int
 
     def __post_init__(self) -> None:
-        for name, value in (("world size", self.world), ("tensor-model-parallel-size", self.tp),
-                            ("pipeline-model-parallel-size", self.pp)):
+        for name, flag, value in (("world size", None, self.world),
+                                  ("--tensor-model-parallel-size", "--tensor-model-parallel-size", self.tp),
+                                  ("--pipeline-model-parallel-size", "--pipeline-model-parallel-size", self.pp)):
             if not isinstance(value, int) or value < 1:
-                raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}")
+                raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}", flag)
         if self.world % (self.tp * self.pp):
             raise ParallelConfigError(
-                f"world size {self.world} is not divisible by tensor-model-parallel-size {self.tp} x "
-                f"pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}; "
-                f"data-parallel size would be {self.world / (self.tp * self.pp):g}")
+                f"world size {self.world} is not divisible by --tensor-model-parallel-size {self.tp} x "
+                f"--pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}; "
+                f"data-parallel size would be {self.world / (self.tp * self.pp):g}", "--tensor-model-parallel-size")
+
+    def layers_per_stage(self, num_layers: int) -> int:
+        """Transformer layers on each pipeline stage: every stage holds the same number."""
+        if num_layers % self.pp:
+            raise ParallelConfigError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp} "
+                "(every pipeline stage holds the same number of transformer layers)", "--num-layers")
+        return num_layers // self.pp
 
     @property
     def dp(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import NoReturn
 
@@ -20,39 +21,6 @@ def launch_plan(args):
     return make_plan(args.nproc_per_node, args.profile)
 
 
-def _check_attention(args) -> None:
-    """flash2 asked explicitly must be able to run here (else say why before anything starts)."""
-    if args.attention_backend != "flash2":
-        return
-    from megatron_ds.model.attention import resolve_backend
-    from megatron_ds.precision import from_args
-
-    flag = "--attention-backend" if "--attention-backend" in args.argv else "--use-flash-attn-v2"
-    try:
-        resolve_backend("flash2", from_args(args).params_dtype)
-    except ValueError as err:
-        raise ConfigError(flag, str(err)) from None
-
-
-def _check_fp16(args) -> None:
-    """DeepSpeed's fp16 path (loss scaling) exists on GPUs only; say so now rather than in every rank."""
-    if not args.fp16:
-        return
-    from megatron_ds.runtime.bootstrap import visible_gpus
-
-    if visible_gpus() == 0:
-        raise ConfigError("--fp16", "DeepSpeed supports fp16 only on GPUs and none is visible here; "
-                          "use --bf16 or fp32 (no precision flag) on CPU")
-
-
-def _check_tensorboard(args) -> None:
-    import importlib.util
-
-    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard-dir", "needs the tensorboard package (pip install tensorboard, or "
-                          "megatron_ds[tensorboard])")
-
-
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
@@ -61,14 +29,9 @@ def main(argv: list[str]) -> int:
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
         validate(args, plan.ranks()[0].world_size)
-        _check_attention(args)
-        _check_fp16(args)
-        _check_tensorboard(args)
     except ConfigError as err:
         return _error(str(err))
     from megatron_ds.runtime.bootstrap import become_rank
-
-    import os
 
     # With --exit-signal-handler a TERM means "finish the step and save": give the ranks time for it.
     signal_grace = float(os.environ.get("MDS_SIGNAL_GRACE", "300")) if args.exit_signal_handler else None
@@ -102,7 +65,6 @@ def leave_rank(code: int) -> NoReturn:
     multi-rank trainings, at random.
     """
     import logging
-    import os
 
     logging.shutdown()
     sys.stdout.flush()

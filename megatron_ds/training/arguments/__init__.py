@@ -1,0 +1,22 @@
+"""`entrypoint train` arguments: Megatron-DeepSpeed's pretrain_gpt.py flags, where their values come from, the rules.
+
+- flags.py: the flag table (argparse parser, accepted no-ops, what each tokenizer type reads) and ConfigError.
+- sources.py: precedence explicit flag > ALCF environment variable > --preset > Megatron's default; the
+  DeepSpeed config file fills what the flags left open.
+- rules.py: `validate` checks every rule before any process group or device exists and raises ConfigError
+  naming the flag and the rule; the CLI turns that into exit code 2.
+"""
+
+from megatron_ds.training.arguments.flags import (
+    NO_OP_SWITCHES,
+    NO_OP_WITH_VALUE,
+    TOKENIZER_INPUTS,
+    ConfigError,
+    build_parser,
+    print_notices,
+)
+from megatron_ds.training.arguments.rules import accumulation_steps, pad_vocab_size, validate
+from megatron_ds.training.arguments.sources import load_ds_config, parse_args
+
+__all__ = ["NO_OP_SWITCHES", "NO_OP_WITH_VALUE", "TOKENIZER_INPUTS", "ConfigError", "accumulation_steps",
+           "build_parser", "load_ds_config", "pad_vocab_size", "parse_args", "print_notices", "validate"]

@@ -1,0 +1,223 @@
+"""The `entrypoint train` flag table: Megatron-DeepSpeed's pretrain_gpt.py names and meanings, and the no-ops.
+
+Flags that can be filled from elsewhere (sources.py) default to None so that "the user gave it" is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_ds.training.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A usage or configuration error: names the flag (or file/variable) and the rule it breaks."""
+
+    def __init__(self, flag: str | None, rule: str):
+        self.flag, self.rule = flag, rule
+        super().__init__(f"{flag}: {rule}" if flag else rule)
+
+
+# Megatron flags that change nothing here (the fusion or implementation they select does not exist
+# in mds, or is always on). Accepted with a one-line notice so old launch scripts keep working.
+NO_OP_SWITCHES = {
+    "--no-masked-softmax-fusion": "softmax fusion is the attention backend's business",
+    "--no-bias-gelu-fusion": "mds has no bias-gelu fusion kernel",
+    "--no-bias-dropout-fusion": "mds has no bias-dropout fusion kernel",
+    "--no-gradient-accumulation-fusion": "mds has no gradient-accumulation fusion kernel",
+    "--no-async-tensor-model-parallel-allreduce": "mds does not overlap the TP all-reduce",
+    "--no-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
+    "--apply-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
+    "--attention-softmax-in-fp32": "attention softmax always runs in fp32 or inside the flash kernel",
+    "--accumulate-allreduce-grads-in-fp32": "DeepSpeed owns gradient accumulation",
+    "--use-contiguous-buffers-in-local-ddp": "DeepSpeed owns the gradient buffers",
+    "--no-contiguous-buffers-in-local-ddp": "DeepSpeed owns the gradient buffers",
+    "--log-timers-to-tensorboard": "step time is always logged",
+    "--log-batch-size-to-tensorboard": "the batch size is fixed and printed at start",
+    "--log-validation-ppl-to-tensorboard": "validation perplexity is always logged",
+    "--log-memory-to-tensorboard": "memory is always logged",
+    "--log-optimizer-states-to-tensorboard": "not recorded by mds",
+    "--no-log-loss-scale-to-tensorboard": "the loss scale is logged with --fp16 only",
+    "--use-cpu-initialization": "weights are always initialised from the seeded full matrix then sliced",
+}
+NO_OP_WITH_VALUE = {
+    "--dataset-impl": ({"mmap", "infer"}, "mds reads the mmap indexed format"),
+    "--num-workers": (None, "samples are read in-process from the memory-mapped dataset"),
+    "--timing-log-level": (None, "step time is always logged"),
+    "--DDP-impl": ({"local", "torch"}, "DeepSpeed owns data parallelism"),
+}
+
+
+# What each --tokenizer-type reads: (flag, kind), kind "file" (must be a file), "path" (a file or a directory)
+# or "value" (only required). A new tokenizer type is one entry; rules.py checks the table before any rank starts.
+TOKENIZER_INPUTS = {
+    "GPT2BPETokenizer": (("--vocab-file", "file"), ("--merge-file", "file")),
+    "HFTokenizer": (("--tokenizer-model", "path"),),
+    "NullTokenizer": (("--vocab-size", "value"),),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would sys.exit(2); we raise so callers can test and format
+        raise ConfigError(None, message)
+
+
+class _NoOp(argparse.Action):
+    """Accepts a flag that is a no-op here and remembers a notice for the start-up log."""
+
+    def __init__(self, option_strings, dest, why=None, allowed=None, **kw):
+        self.why, self.allowed = why, allowed
+        super().__init__(option_strings, dest=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.allowed is not None and values not in self.allowed:
+            raise ConfigError(option_string, f"only {sorted(self.allowed)} supported (got {values!r})")
+        shown = option_string if values in (None, []) else f"{option_string} {values}"
+        notices = getattr(namespace, "notices", None) or []
+        notices.append(f"note: {shown} accepted and ignored: {self.why}")
+        namespace.notices = notices
+
+
+def _str2norm(value: str) -> str:
+    table = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+    if value.lower() not in table:
+        raise argparse.ArgumentTypeError(f"choose LayerNorm or RMSNorm (got {value!r})")
+    return table[value.lower()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="entrypoint train",
+        usage="entrypoint train [--preset NAME] [model, parallel, batch, data, checkpoint, logging flags]",
+        allow_abbrev=False,  # a typo must never silently match a longer flag
+        description="Pretrain a GPT with tensor/sequence/pipeline/data parallelism and ZeRO. Flags follow "
+        "Megatron-DeepSpeed's pretrain_gpt.py; a launch script only needs `python pretrain_gpt.py` replaced "
+        "by `entrypoint train`. Precedence: flag > ALCF env (MODEL_SIZE_KEY, SEQ_LEN, MICRO_BATCH, GAS, "
+        "ZERO_STAGE, PPSIZE, MPSIZE, USE_FLASH_ATTN_V2, SP_TYPE) > --preset > default.",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", help=f"named model size; explicit flags win. One of: {', '.join(PRESETS)}")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden (SwiGLU: Megatron's 2/3 rule)")
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-key-value-heads", type=int, help="grouped-query attention (default: = heads)")
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int, help="default: --seq-length")
+    g.add_argument("--normalization", type=_str2norm, help="LayerNorm (default) or RMSNorm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="= --position-embedding-type rope")
+    g.add_argument("--rotary-base", "--rope-theta", dest="rotary_base", type=float, default=10000.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP (as Megatron does)")
+    g.add_argument("--attention-backend", choices=["auto", "flash2", "sdpa", "reference"],
+                   help="auto picks flash2 when installed on a GPU, else torch SDPA")
+    g.add_argument("--use-flash-attn-v2", action="store_true", default=None, help="= --attention-backend flash2")
+    g.add_argument("--use-flash-attn-v1", "--use-flash-attn", dest="use_flash_attn_v1", action="store_true",
+                   help="not available: falls back to the best backend with a warning")
+    g.add_argument("--use-flash-attn-triton", action="store_true",
+                   help="not available: falls back to the best backend with a warning")
+    g.add_argument("--checkpoint-activations", "--recompute-activations", dest="checkpoint_activations",
+                   action="store_true", help="recompute each transformer layer in backward")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="Megatron-DeepSpeed: use DeepSpeed's checkpointing for --checkpoint-activations")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="compile each transformer layer with torch.compile: norms, GeLU, dropout and residual "
+                        "adds fused (one compile at start-up, ~1 min; bench/RESULTS.md has the speed-up; not with "
+                        "tensor parallelism yet)")
+
+    g = p.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true", default=None)
+    g.add_argument("--fp16", action="store_true", default=None)
+    g.add_argument("--loss-scale", type=float, help="fp16 static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+    g = p.add_argument_group("parallelism and DeepSpeed")
+    g.add_argument("--tensor-model-parallel-size", type=int)
+    g.add_argument("--pipeline-model-parallel-size", type=int)
+    g.add_argument("--sequence-parallel", action="store_true", default=None)
+    g.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="plain DeepSpeed engine, no pipeline engine (needs PP=1; allows ZeRO-2/3)")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility: mds always uses DeepSpeed")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                   help="DeepSpeed JSON; must agree with the flags on batch sizes, precision and ZeRO stage")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo", "ccl", "mpi"],
+                   help="default: nccl on GPUs (RCCL on ROCm), gloo on CPU")
+    g.add_argument("--nproc-per-node", type=int, help="ranks to spawn on this node (default: its GPUs, or 1)")
+    g.add_argument("--profile", help="site profile for the NCCL/RCCL environment (default: detected)")
+
+    g = p.add_argument_group("batch, iterations, schedule")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int, help="default: micro batch x data-parallel size (x GAS)")
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of --lr-decay-iters")
+    g.add_argument("--optimizer", choices=["adam", "adamw"], default="adam", help="Adam with decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0 disables)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, help="exit after this iteration (saving first with --save)")
+    g.add_argument("--exit-duration-in-mins", type=float, help="exit (saving first) after this many minutes")
+    g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM: save and exit cleanly")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", help="prefix, or weighted list: 0.3 a 0.7 b")
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--data-cache-path", help="where sample indices are cached (default: next to the data)")
+    g.add_argument("--tokenizer-type", choices=list(TOKENIZER_INPUTS))
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model", help="HFTokenizer: tokenizer.json or a directory with one")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer: its vocabulary size")
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; iteration restarts at 0")
+    g.add_argument("--keep-last-n-checkpoints", type=int)
+
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--metrics-file", help="append one JSON object per logged iteration / evaluation")
+    g.add_argument("--peak-tflops", type=float,
+                   help="peak dense TFLOP/s per device for MFU (env MDS_PEAK_TFLOPS; default by device)")
+
+    g = p.add_argument_group("accepted, no effect in mds")
+    for flag, why in NO_OP_SWITCHES.items():
+        g.add_argument(flag, action=_NoOp, nargs=0, why=why, help=f"no-op: {why}")
+    for flag, (allowed, why) in NO_OP_WITH_VALUE.items():
+        g.add_argument(flag, action=_NoOp, allowed=allowed, why=why, help=f"no-op: {why}")
+    return p
+
+
+def print_notices(args: argparse.Namespace, stream=sys.stderr) -> None:
+    """The no-op and fallback notices parse_args collected, for the start-up log."""
+    for line in args.notices:
+        print(line, file=stream)

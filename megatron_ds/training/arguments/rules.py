@@ -1,0 +1,276 @@
+"""Every rule on the `entrypoint train` values, checked before any process group or device exists.
+
+`validate` runs the rule groups in order; each raises ConfigError naming the flag and the rule (the CLI
+turns it into exit code 2). The layout arithmetic is ParallelDims' and the model-shape rules are the
+model config's: they are called here, not restated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+from megatron_ds.training.arguments.flags import TOKENIZER_INPUTS, ConfigError
+from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
+
+REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--train-iters")
+POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval")
+
+if TYPE_CHECKING:  # the model and parallel packages import torch: only the rules that need them load them
+    from megatron_ds.parallel.state import ParallelDims
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Check every rule (each with its own message) and fill derived values on `args`.
+
+    Sets: world_size, data_parallel_size, global_batch_size (when not given), gradient_accumulation_steps,
+    ds_config_file (parsed dict or None), and what the DeepSpeed config file fills (sources.py).
+    """
+    _required_and_positive(args)
+    fill_from_ds_config(args)
+    _ds_config_agrees(args)
+    _filled_values_given(args)
+    _precision(args)
+    dims = _layout(args, world_size)
+    _model_shape(args, dims)
+    _parallel_features(args)
+    _batch(args, dims.dp)
+    _schedule(args)
+    _checkpoints(args)
+    _data_files(args)
+    _tokenizer_inputs(args)
+    _environment(args)
+    args.world_size, args.data_parallel_size = world_size, dims.dp
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _required_and_positive(args: argparse.Namespace) -> None:
+    for flag in REQUIRED:
+        if getattr(args, _dest(flag)) is None:
+            raise ConfigError(flag, "is required (give the flag or a --preset that sets it)")
+    for flag in POSITIVE:
+        if getattr(args, _dest(flag)) <= 0:
+            raise ConfigError(flag, f"must be positive (got {getattr(args, _dest(flag))})")
+    if args.eval_iters < 0:
+        raise ConfigError("--eval-iters", f"must be >= 0 (got {args.eval_iters})")
+
+
+def _enabled(section) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def _ds_config_agrees(args: argparse.Namespace) -> None:
+    """What the flags gave must agree with --deepspeed_config (which filled the rest)."""
+    ds_file, path = args.ds_config_file, args.deepspeed_config
+    if ds_file is None:
+        return
+    for key, flag, dest in DS_CONFIG_BATCH:
+        if ds_file.get(key, "auto") != "auto" and int(ds_file[key]) != getattr(args, dest):
+            raise ConfigError(flag, f"{getattr(args, dest)} disagrees with {key}={ds_file[key]} in {path}")
+    for name in ("bf16", "fp16"):
+        in_file, in_flags = _enabled(ds_file.get(name)), getattr(args, name)
+        if in_file and not in_flags:
+            raise ConfigError(f"--{name}", f"{path} enables {name} but --{name} was not given")
+        if in_flags and (ds_file.get(name) or {}).get("enabled") is False:  # options without "enabled" are fine
+            raise ConfigError(f"--{name}", f"given, but {path} has {name}.enabled=false")
+    stage = (ds_file.get("zero_optimization") or {}).get("stage")
+    if stage is not None and int(stage) != args.zero_stage:
+        raise ConfigError("--zero-stage", f"{args.zero_stage} disagrees with zero_optimization.stage={stage} in {path}")
+    if "gradient_clipping" in ds_file and "--clip-grad" in args.argv:
+        if float(ds_file["gradient_clipping"]) != args.clip_grad:
+            raise ConfigError("--clip-grad", f"{args.clip_grad} disagrees with gradient_clipping="
+                              f"{ds_file['gradient_clipping']} in {path}")
+
+
+def _filled_values_given(args: argparse.Namespace) -> None:
+    """The values a flag, the environment or the DeepSpeed config may give: one of them must."""
+    if args.micro_batch_size is None:
+        raise ConfigError("--micro-batch-size", "is required (flag, MICRO_BATCH, or the DeepSpeed config)")
+    if args.micro_batch_size <= 0:
+        raise ConfigError("--micro-batch-size", f"must be positive (got {args.micro_batch_size})")
+    if args.lr is None:
+        raise ConfigError("--lr", "is required (or an optimizer section with params.lr in --deepspeed_config)")
+
+
+def _precision(args: argparse.Namespace) -> None:
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16", "cannot be combined with --fp16; choose one")
+
+
+def _without_flag(flag: str | None, message: str) -> str:
+    """A library error's message for ConfigError, which prints `flag: rule` (so the flag is not said twice)."""
+    return message[len(flag) + 1:] if flag and message.startswith(flag + " ") else message
+
+
+def _layout(args: argparse.Namespace, world_size: int) -> ParallelDims:
+    """TP x PP x DP = world (ParallelDims' arithmetic)."""
+    from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
+
+    try:
+        return ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    except ParallelConfigError as err:
+        raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
+
+
+def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """The model config's shape rules at this TP size (the vocabulary is checked once the tokenizer exists),
+    and whole layers on every pipeline stage."""
+    from megatron_ds.model.config import ModelConfigError, check_shape
+    from megatron_ds.parallel.state import ParallelConfigError
+
+    try:
+        check_shape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                    num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                    num_key_value_heads=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
+                    max_position_embeddings=args.max_position_embeddings, swiglu=args.swiglu,
+                    position_embedding_type=args.position_embedding_type, normalization=args.normalization,
+                    sequence_parallel=args.sequence_parallel, torch_compile=args.torch_compile, tp=dims.tp)
+        dims.layers_per_stage(args.num_layers)
+    except (ModelConfigError, ParallelConfigError) as err:
+        raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
+
+
+def _parallel_features(args: argparse.Namespace) -> None:
+    """Sequence parallelism, ZeRO and the pipeline engine, each where it can run."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel", "needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                          "across the tensor-parallel ranks)")
+    if args.zero_stage >= 2 and pp > 1:
+        raise ConfigError("--zero-stage", f"ZeRO-{args.zero_stage} cannot be combined with pipeline parallelism "
+                          f"(PP={pp}): DeepSpeed's pipeline engine supports ZeRO-0/1 only. Use ZeRO-1, or "
+                          "--pipeline-model-parallel-size 1 with --no-pipeline-parallel")
+    pipeline_section = (args.ds_config_file or {}).get("pipeline") or {}
+    forced = [key for key in ("pipe_partitioned", "grad_partitioned") if pipeline_section.get(key) is True]
+    if args.sequence_parallel and forced:
+        raise ConfigError("--sequence-parallel", f"{args.deepspeed_config} sets pipeline.{forced[0]}=true, which "
+                          "splits inter-stage activations over TP ranks assuming they are identical; under "
+                          "sequence parallelism each TP rank holds a different sequence shard. Remove it or set "
+                          "it false")
+    if args.no_pipeline_parallel and pp > 1:
+        raise ConfigError("--no-pipeline-parallel", f"conflicts with --pipeline-model-parallel-size {pp}")
+
+
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches per optimizer step: global = micro x DP x accumulation, which must divide exactly."""
+    per_step = micro_batch_size * dp
+    if global_batch_size % per_step != 0:
+        raise ConfigError("--global-batch-size", f"{global_batch_size} is not divisible by --micro-batch-size "
+                          f"{micro_batch_size} x data-parallel size {dp} = {per_step}")
+    return global_batch_size // per_step
+
+
+def _batch(args: argparse.Namespace, dp: int) -> None:
+    """global = micro x DP x gradient accumulation; GAS and the DeepSpeed config must agree with it."""
+    ds_gas = (args.ds_config_file or {}).get("gradient_accumulation_steps")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp * int(args.gradient_accumulation_steps_env or ds_gas or 1)
+    args.gradient_accumulation_steps = accumulation_steps(args.global_batch_size, args.micro_batch_size, dp)
+    for source, gas in [("GAS", args.gradient_accumulation_steps_env),
+                        (f"gradient_accumulation_steps in {args.deepspeed_config}", ds_gas)]:
+        if gas not in (None, "auto") and int(gas) != args.gradient_accumulation_steps:
+            raise ConfigError("--global-batch-size", f"{args.global_batch_size} = {args.micro_batch_size} x DP {dp} x "
+                              f"{args.gradient_accumulation_steps} disagrees with {source}={gas}")
+    if args.pipeline_model_parallel_size > 1 and args.gradient_accumulation_steps < 1:
+        raise ConfigError("--global-batch-size", "pipeline parallelism needs at least one micro-batch per stage")
+
+
+def _schedule(args: argparse.Namespace) -> None:
+    if args.lr_warmup_fraction is not None and "--lr-warmup-iters" in args.argv:
+        raise ConfigError("--lr-warmup-fraction", "give either --lr-warmup-fraction or --lr-warmup-iters, not both")
+    if args.lr_warmup_fraction is not None:
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ConfigError("--lr-warmup-fraction", f"must be within [0, 1] (got {args.lr_warmup_fraction})")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_warmup_iters < 0 or args.lr_warmup_iters > args.lr_decay_iters:
+        raise ConfigError("--lr-warmup-iters", f"{args.lr_warmup_iters} must be within [0, --lr-decay-iters "
+                          f"{args.lr_decay_iters}]")
+    if args.min_lr > args.lr:
+        raise ConfigError("--min-lr", f"{args.min_lr} exceeds --lr {args.lr}")
+    if args.clip_grad < 0:
+        raise ConfigError("--clip-grad", f"must be >= 0 (got {args.clip_grad})")
+
+
+def _checkpoints(args: argparse.Namespace) -> None:
+    if args.save is not None and args.save_interval is not None and args.save_interval <= 0:
+        raise ConfigError("--save-interval", f"must be positive (got {args.save_interval})")
+    if args.keep_last_n_checkpoints is not None and args.keep_last_n_checkpoints <= 0:
+        raise ConfigError("--keep-last-n-checkpoints", "must be positive")
+
+
+def _data_files(args: argparse.Namespace) -> None:
+    """--data-path: one prefix or a weighted list, each PREFIX.bin/.idx present; --split: up to 3 weights."""
+    if not args.data_path:
+        raise ConfigError("--data-path", "is required: a Megatron indexed-dataset prefix (PREFIX.bin/PREFIX.idx), "
+                          "or a weighted list `0.3 a 0.7 b`")
+    paths = args.data_path
+    if len(paths) > 1:
+        if len(paths) % 2 != 0:
+            raise ConfigError("--data-path", "a weighted list needs pairs of `weight prefix`")
+        for weight in paths[0::2]:
+            try:
+                float(weight)
+            except ValueError:
+                raise ConfigError("--data-path", f"expected a weight, got {weight!r}") from None
+        prefixes = paths[1::2]
+    else:
+        prefixes = paths
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ConfigError("--data-path", f"file not found: {prefix + ext}")
+    try:
+        parts = [float(x) for x in args.split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ConfigError("--split", f"expected comma-separated weights like 969,30,1 (got {args.split!r})") from None
+    if len(parts) > 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
+        raise ConfigError("--split", f"expected up to 3 non-negative weights with a positive sum (got {args.split!r})")
+
+
+def _tokenizer_inputs(args: argparse.Namespace) -> None:
+    """Each flag the --tokenizer-type reads (flags.TOKENIZER_INPUTS) is given, and its file exists."""
+    kind = args.tokenizer_type
+    if kind is None:
+        *names, last = TOKENIZER_INPUTS
+        raise ConfigError("--tokenizer-type", f"is required: {', '.join(names)} or {last}")
+    for flag, needs in TOKENIZER_INPUTS[kind]:
+        value = getattr(args, _dest(flag))
+        if value is None:
+            raise ConfigError(flag, f"is required with --tokenizer-type {kind}")
+        if needs == "file" and not os.path.isfile(value):
+            raise ConfigError(flag, f"file not found: {value}")
+        if needs == "path" and not os.path.exists(value):
+            raise ConfigError(flag, f"not found: {value}")
+
+
+def _environment(args: argparse.Namespace) -> None:
+    """What this machine must have for the flags: the attention kernel, a GPU for fp16, tensorboard."""
+    if args.attention_backend == "flash2":  # asked explicitly: it must be able to run here
+        from megatron_ds.model.attention import resolve_backend
+        from megatron_ds.precision import from_args
+
+        flag = "--attention-backend" if "--attention-backend" in args.argv else "--use-flash-attn-v2"
+        try:
+            resolve_backend("flash2", from_args(args).params_dtype)
+        except ValueError as err:
+            raise ConfigError(flag, str(err)) from None
+    if args.fp16:  # DeepSpeed's fp16 path (loss scaling) exists on GPUs only: say so now, not in every rank
+        from megatron_ds.runtime.bootstrap import visible_gpus
+
+        if visible_gpus() == 0:
+            raise ConfigError("--fp16", "DeepSpeed supports fp16 only on GPUs and none is visible here; "
+                              "use --bf16 or fp32 (no precision flag) on CPU")
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard-dir", "needs the tensorboard package (pip install tensorboard, or "
+                          "megatron_ds[tensorboard])")
+
+
+def pad_vocab_size(orig: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round up to a multiple of divisible_by x TP so every TP slice is equal."""
+    multiple = divisible_by * tp
+    return ((orig + multiple - 1) // multiple) * multiple

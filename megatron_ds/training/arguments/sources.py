@@ -1,0 +1,145 @@
+"""Where each value comes from: explicit flag > ALCF environment variable > --preset > Megatron's default.
+
+A DeepSpeed config file (--deepspeed_config) fills what the flags left open once validation starts;
+rules.py then refuses any disagreement between the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+
+from megatron_ds.training.arguments.flags import ConfigError, build_parser
+from megatron_ds.training.presets import preset
+
+# ALCF launch scripts' variables that stand in for a flag the user did not give: (dest, variable).
+ALCF_INTEGERS = [("seq_length", "SEQ_LEN"), ("micro_batch_size", "MICRO_BATCH"), ("zero_stage", "ZERO_STAGE"),
+                 ("pipeline_model_parallel_size", "PPSIZE"), ("tensor_model_parallel_size", "MPSIZE")]
+
+# Megatron's defaults for the values a flag, the environment or a preset may set.
+DEFAULTS = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
+                untie_embeddings_and_output_weights=False, disable_bias_linear=False, bf16=False, fp16=False,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_flash_attn_v2=False,
+                sequence_parallel=False)
+
+# DeepSpeed config keys that stand in for a flag left open: (key, flag, dest). rules.py checks agreement.
+DS_CONFIG_BATCH = [("train_micro_batch_size_per_gpu", "--micro-batch-size", "micro_batch_size"),
+                   ("train_batch_size", "--global-batch-size", "global_batch_size")]
+
+
+def parse_args(argv: list[str], env: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """Parse flags, then fill what the user did not give from ALCF env vars, the preset, defaults."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        raise ConfigError(flag, "unknown or unsupported flag (see `entrypoint train --help` for what mds accepts)")
+    args.notices = getattr(args, "notices", None) or []
+    args.argv = list(argv)
+    _from_alcf_environment(args, env)
+    _from_preset(args)
+    _from_defaults(args)
+    _attention_backend(args)
+    return args
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _from_alcf_environment(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    def env_int(name: str) -> int | None:
+        if env.get(name, "").strip() == "":
+            return None
+        try:
+            return int(env[name])
+        except ValueError:
+            raise ConfigError(name, f"environment variable must be an integer (got {env[name]!r})") from None
+
+    if args.preset is None and env.get("MODEL_SIZE_KEY"):
+        args.preset = env["MODEL_SIZE_KEY"]
+    for dest, var in ALCF_INTEGERS:
+        if getattr(args, dest) is None and env_int(var) is not None:
+            setattr(args, dest, env_int(var))
+    args.gradient_accumulation_steps_env = env_int("GAS")
+    if args.use_flash_attn_v2 is None and env.get("USE_FLASH_ATTN_V2") and _truthy(env["USE_FLASH_ATTN_V2"]):
+        args.use_flash_attn_v2 = True
+    sp_type = env.get("SP_TYPE", "").strip().lower()
+    if sp_type == "ds":
+        raise ConfigError("SP_TYPE", "DeepSpeed-Ulysses sequence parallelism (SP_TYPE=ds) is not supported by mds; "
+                          "use SP_TYPE=megatron or unset it")
+    args.sequence_parallel_env = sp_type == "megatron"
+
+
+def _from_preset(args: argparse.Namespace) -> None:
+    if args.preset is None:
+        return
+    try:
+        values = preset(args.preset)
+    except KeyError as e:
+        raise ConfigError("--preset", e.args[0]) from None
+    for dest, value in values.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+
+
+def _from_defaults(args: argparse.Namespace) -> None:
+    """Megatron's defaults, and the values defined by others (positions = sequence, decay = training)."""
+    if args.use_rotary_position_embeddings:
+        if args.position_embedding_type not in (None, "rope"):
+            raise ConfigError("--use-rotary-position-embeddings",
+                              f"conflicts with --position-embedding-type {args.position_embedding_type}")
+        args.position_embedding_type = "rope"
+    for dest, value in DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.sequence_parallel_env and not args.sequence_parallel and args.tensor_model_parallel_size > 1:
+        args.sequence_parallel = True  # SP_TYPE=megatron is a hint: it only applies where SP exists (TP>1)
+
+
+def _attention_backend(args: argparse.Namespace) -> None:
+    """The explicit --attention-backend wins; the Megatron switches map onto it."""
+    requested = args.attention_backend
+    if requested is None:
+        requested = "flash2" if args.use_flash_attn_v2 else "auto"
+        for flag, on in [("--use-flash-attn-v1", args.use_flash_attn_v1),
+                         ("--use-flash-attn-triton", args.use_flash_attn_triton)]:
+            if on and not args.use_flash_attn_v2:
+                args.notices.append(f"warning: {flag} is not available in mds; using the best available "
+                                    "attention backend instead (the one that ran is printed at start)")
+    args.attention_backend = requested
+
+
+def load_ds_config(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError("--deepspeed_config", f"file not found: {path}")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError("--deepspeed_config", f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("--deepspeed_config", f"{path} must hold a JSON object")
+    return config
+
+
+def fill_from_ds_config(args: argparse.Namespace) -> None:
+    """Read --deepspeed_config (as args.ds_config_file, None without one) and fill what the flags left open:
+    micro and global batch, ZeRO stage (else 0) and the learning rate (its optimizer section's params.lr)."""
+    ds_file = load_ds_config(args.deepspeed_config) if args.deepspeed_config else None
+    args.ds_config_file = ds_file
+    ds_file = ds_file or {}
+    for key, _flag, dest in DS_CONFIG_BATCH:
+        if getattr(args, dest) is None and ds_file.get(key, "auto") != "auto":
+            setattr(args, dest, int(ds_file[key]))
+    stage = (ds_file.get("zero_optimization") or {}).get("stage")
+    if args.zero_stage is None:
+        args.zero_stage = 0 if stage is None else int(stage)
+    optimizer_params = (ds_file.get("optimizer") or {}).get("params") or {}
+    if args.lr is None and "lr" in optimizer_params:
+        args.lr = float(optimizer_params["lr"])
