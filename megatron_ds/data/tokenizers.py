@@ -372,7 +372,8 @@ def check_tokenizer_flags(tokenizer_type: str | None, *, vocab_file: str | None 
     if tokenizer_type not in TOKENIZER_FLAGS:
         raise TokenizerError("--tokenizer-type", f"unknown type {tokenizer_type!r}, expected one of "
                                                  f"{', '.join(TOKENIZER_TYPES)}")
-    values = {"--vocab-file": vocab_file, "--merge-file": merge_file, "--tokenizer-model": tokenizer_model,
+    values = {"--vocab-file": vocab_file, "--merge-file": merge_file,
+              "--tokenizer-model": tokenizer_model and model_file(tokenizer_type, tokenizer_model),
               "--vocab-size": vocab_size}
     for flag in TOKENIZER_FLAGS[tokenizer_type]:
         value = values[flag]
@@ -383,6 +384,13 @@ def check_tokenizer_flags(tokenizer_type: str | None, *, vocab_file: str | None 
             raise TokenizerError(flag, f"{value}: {why}")
 
 
+def model_file(tokenizer_type: str, tokenizer_model: str) -> str:
+    """The file --tokenizer-model names: HFTokenizer also takes a model directory (its tokenizer.json)."""
+    if tokenizer_type == "HFTokenizer" and os.path.isdir(tokenizer_model):
+        return os.path.join(tokenizer_model, "tokenizer.json")
+    return tokenizer_model
+
+
 def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge_file: str | None = None,
                     tokenizer_model: str | None = None, vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer named by ``--tokenizer-type``; missing or unreadable files raise TokenizerError."""
@@ -391,7 +399,7 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HFTokenizer":
-        return HFTokenizer(tokenizer_model)
+        return HFTokenizer(model_file(tokenizer_type, tokenizer_model))
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     return _SENTENCEPIECE[tokenizer_type](tokenizer_model)

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ds.model.config import GPTConfig, ModelConfigError, check_shape
 from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
-from megatron_ds.training.arguments import TOKENIZER_INPUTS, ConfigError, accumulation_steps, parse_args, validate
+from megatron_ds.training.arguments import ConfigError, accumulation_steps, parse_args, validate
 
 
 @pytest.fixture
@@ -73,28 +73,31 @@ def test_check_shape_needs_no_vocabulary_and_is_what_gpt_config_runs():
     (["--pipeline-model-parallel-size", "0"], 1, "--pipeline-model-parallel-size", "must be a positive integer"),
     # The flag is not said twice when the library's message starts with it.
     (["--max-position-embeddings", "32"], 1, "--seq-length", "--seq-length: 64 exceeds"),
-    (["--tokenizer-type", "HFTokenizer"], 1, "--tokenizer-model", "is required with --tokenizer-type HFTokenizer"),
+    (["--tokenizer-type", "HFTokenizer"], 1, "--tokenizer-model", "required by --tokenizer-type HFTokenizer"),
     (["--tokenizer-type", "HFTokenizer", "--tokenizer-model", "/nonexistent/tok"], 1, "--tokenizer-model",
-     "not found: /nonexistent/tok"),
-    (["--tokenizer-type", "NullTokenizer"], 1, "--vocab-size", "is required with --tokenizer-type NullTokenizer"),
-    (["--merge-file", "/nonexistent/merges.txt"], 1, "--merge-file", "file not found"),
+     "/nonexistent/tok: no such file"),
+    (["--tokenizer-type", "NullTokenizer"], 1, "--vocab-size", "required by --tokenizer-type NullTokenizer"),
+    (["--merge-file", "/nonexistent/merges.txt"], 1, "--merge-file", "/nonexistent/merges.txt: no such file"),
 ])
 def test_rules_now_in_validate(files, extra, world, flag, text):
     check(files, extra, world, flag, text)
 
 
-def test_tokenizer_type_is_required_and_every_type_has_its_inputs(files):
+def test_tokenizer_type_defaults_to_gpt2_bpe_and_hf_takes_a_model_directory(files):
     argv = base(files)
     i = argv.index("--tokenizer-type")
     del argv[i:i + 2]
-    with pytest.raises(ConfigError, match="--tokenizer-type: is required: GPT2BPETokenizer, HFTokenizer or "
-                                          "NullTokenizer"):
-        validate(parse_args(argv, env={}), 1)
-    from megatron_ds.data.tokenizers import TOKENIZER_TYPES
-
-    assert set(TOKENIZER_INPUTS) == set(TOKENIZER_TYPES), "each tokenizer type needs its entry in TOKENIZER_INPUTS"
-    validate(parse_args(base(files, "--tokenizer-type", "HFTokenizer", "--tokenizer-model", str(files["dir"])),
-                        env={}), 1)  # --tokenizer-model may be a directory (the tokenizer reads its tokenizer.json)
+    args = parse_args(argv, env={})
+    validate(args, 1)
+    assert args.tokenizer_type == "GPT2BPETokenizer"  # pretrain_gpt.py's default
+    j = argv.index("--vocab-file")
+    with pytest.raises(ConfigError, match="--vocab-file: required by --tokenizer-type GPT2BPETokenizer"):
+        validate(parse_args(argv[:j] + argv[j + 2:], env={}), 1)
+    hf = base(files, "--tokenizer-type", "HFTokenizer", "--tokenizer-model", str(files["dir"]))
+    with pytest.raises(ConfigError, match="--tokenizer-model: .*tokenizer.json: no such file"):
+        validate(parse_args(hf, env={}), 1)
+    (files["dir"] / "tokenizer.json").write_text("{}")
+    validate(parse_args(hf, env={}), 1)  # a model directory: the tokenizer reads its tokenizer.json
 
 
 def test_environment_rules_run_in_validate(files):

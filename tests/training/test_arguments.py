@@ -69,7 +69,7 @@ def test_global_batch_defaults_to_micro_times_dp(files):
     (["--min-lr", "1"], 1, "--min-lr", "exceeds --lr"),
     (["--data-path", "/nonexistent/prefix"], 1, "--data-path", "file not found: /nonexistent/prefix.bin"),
     (["--data-path", "0.5", "a"], 1, "--data-path", "file not found: a.bin"),
-    (["--vocab-file", "/nonexistent/vocab.json"], 1, "--vocab-file", "file not found"),
+    (["--vocab-file", "/nonexistent/vocab.json"], 1, "--vocab-file", "/nonexistent/vocab.json: no such file"),
     (["--split", "1,x"], 1, "--split", "comma-separated"),
 ])
 def test_each_rule_has_its_message(files, extra, world, flag, text):

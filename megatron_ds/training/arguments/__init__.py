@@ -1,6 +1,6 @@
 """`entrypoint train` arguments: Megatron-DeepSpeed's pretrain_gpt.py flags, where their values come from, the rules.
 
-- flags.py: the flag table (argparse parser, accepted no-ops, what each tokenizer type reads) and ConfigError.
+- flags.py: the flag table (argparse parser, accepted no-ops) and ConfigError.
 - sources.py: precedence explicit flag > ALCF environment variable > --preset > Megatron's default; the
   DeepSpeed config file fills what the flags left open.
 - rules.py: `validate` checks every rule before any process group or device exists and raises ConfigError
@@ -10,7 +10,6 @@
 from megatron_ds.training.arguments.flags import (
     NO_OP_SWITCHES,
     NO_OP_WITH_VALUE,
-    TOKENIZER_INPUTS,
     ConfigError,
     build_parser,
     print_notices,
@@ -18,5 +17,5 @@ from megatron_ds.training.arguments.flags import (
 from megatron_ds.training.arguments.rules import accumulation_steps, pad_vocab_size, validate
 from megatron_ds.training.arguments.sources import load_ds_config, parse_args
 
-__all__ = ["NO_OP_SWITCHES", "NO_OP_WITH_VALUE", "TOKENIZER_INPUTS", "ConfigError", "accumulation_steps",
+__all__ = ["NO_OP_SWITCHES", "NO_OP_WITH_VALUE", "ConfigError", "accumulation_steps",
            "build_parser", "load_ds_config", "pad_vocab_size", "parse_args", "print_notices", "validate"]

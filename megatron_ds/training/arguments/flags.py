@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ds.data.tokenizers import TOKENIZER_TYPES
 from megatron_ds.training.presets import PRESETS
 
 
@@ -46,15 +47,6 @@ NO_OP_WITH_VALUE = {
     "--num-workers": (None, "samples are read in-process from the memory-mapped dataset"),
     "--timing-log-level": (None, "step time is always logged"),
     "--DDP-impl": ({"local", "torch"}, "DeepSpeed owns data parallelism"),
-}
-
-
-# What each --tokenizer-type reads: (flag, kind), kind "file" (must be a file), "path" (a file or a directory)
-# or "value" (only required). A new tokenizer type is one entry; rules.py checks the table before any rank starts.
-TOKENIZER_INPUTS = {
-    "GPT2BPETokenizer": (("--vocab-file", "file"), ("--merge-file", "file")),
-    "HFTokenizer": (("--tokenizer-model", "path"),),
-    "NullTokenizer": (("--vocab-size", "value"),),
 }
 
 
@@ -183,10 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", help="prefix, or weighted list: 0.3 a 0.7 b")
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", help="where sample indices are cached (default: next to the data)")
-    g.add_argument("--tokenizer-type", choices=list(TOKENIZER_INPUTS))
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer",
+                   help="default GPT2BPETokenizer, as pretrain_gpt.py")
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model", help="HFTokenizer: tokenizer.json or a directory with one")
+    g.add_argument("--tokenizer-model", help="HFTokenizer: tokenizer.json or a directory with one; SentencePieceTokenizer, "
+                   "GPTSentencePieceTokenizer, Llama2Tokenizer: the SentencePiece tokenizer.model")
     g.add_argument("--vocab-size", type=int, help="NullTokenizer: its vocabulary size")
 
     g = p.add_argument_group("checkpoints")

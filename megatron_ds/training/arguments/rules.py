@@ -12,7 +12,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
-from megatron_ds.training.arguments.flags import TOKENIZER_INPUTS, ConfigError
+from megatron_ds.training.arguments.flags import ConfigError
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
 
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--train-iters")
@@ -233,19 +233,14 @@ def _data_files(args: argparse.Namespace) -> None:
 
 
 def _tokenizer_inputs(args: argparse.Namespace) -> None:
-    """Each flag the --tokenizer-type reads (flags.TOKENIZER_INPUTS) is given, and its file exists."""
-    kind = args.tokenizer_type
-    if kind is None:
-        *names, last = TOKENIZER_INPUTS
-        raise ConfigError("--tokenizer-type", f"is required: {', '.join(names)} or {last}")
-    for flag, needs in TOKENIZER_INPUTS[kind]:
-        value = getattr(args, _dest(flag))
-        if value is None:
-            raise ConfigError(flag, f"is required with --tokenizer-type {kind}")
-        if needs == "file" and not os.path.isfile(value):
-            raise ConfigError(flag, f"file not found: {value}")
-        if needs == "path" and not os.path.exists(value):
-            raise ConfigError(flag, f"not found: {value}")
+    """The flags the --tokenizer-type reads are given and their files exist (data.tokenizers' table)."""
+    from megatron_ds.data.tokenizers import TokenizerError, check_tokenizer_flags
+
+    try:
+        check_tokenizer_flags(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                              tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+    except TokenizerError as err:
+        raise ConfigError(err.flag, err.message) from None
 
 
 def _environment(args: argparse.Namespace) -> None:
