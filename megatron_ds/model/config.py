@@ -36,7 +36,8 @@ def check_shape(*, num_layers: int, hidden_size: int, num_attention_heads: int, 
                 num_key_value_heads: int | None = None, ffn_hidden_size: int | None = None,
                 max_position_embeddings: int | None = None, swiglu: bool = False,
                 position_embedding_type: str = "learned_absolute", normalization: str = "LayerNorm",
-                sequence_parallel: bool = False, torch_compile: bool = False, tp: int = 1) -> None:
+                rotary_percent: float = 1.0, sequence_parallel: bool = False, torch_compile: bool = False,
+                tp: int = 1) -> None:
     """The shape rules that need no vocabulary, at tensor-parallel size tp (None fields take GPTConfig's defaults).
 
     GPTConfig.validate runs them with the rest; argument validation runs them alone, before the tokenizer
@@ -68,11 +69,19 @@ def check_shape(*, num_layers: int, hidden_size: int, num_attention_heads: int, 
     head_dim = hidden_size // heads
     _need(position_embedding_type != "rope" or head_dim % 2 == 0, "--position-embedding-type",
           f"rotary embeddings need an even head dim (--hidden-size / --num-attention-heads = {head_dim})")
+    rotary = rotary_dim(head_dim, rotary_percent)
+    _need(position_embedding_type != "rope" or (rotary >= 2 and rotary % 2 == 0), "--rotary-percent",
+          f"--rotary-percent {rotary_percent} of head dim {head_dim} rotates {rotary} dims: an even number >= 2 needed")
     _need(normalization in ("LayerNorm", "RMSNorm"), "--normalization",
           f"--normalization must be LayerNorm or RMSNorm, got {normalization!r}")
     _need(seq_length <= positions, "--seq-length",
           f"--seq-length {seq_length} exceeds --max-position-embeddings {positions}")
     _need(not torch_compile or compile_problem(tp) is None, "--torch-compile", f"--torch-compile {compile_problem(tp)}")
+
+
+def rotary_dim(head_dim: int, rotary_percent: float) -> int:
+    """Dimensions of each head that rotary embeddings rotate (Megatron: int(head dim x --rotary-percent))."""
+    return int(head_dim * rotary_percent)
 
 
 @dataclass
@@ -87,6 +96,7 @@ class GPTConfig:
     ffn_hidden_size: int | None = None  # None: 4h, or Megatron's LLaMA rule for swiglu (see __post_init__)
     position_embedding_type: str = "learned_absolute"  # or "rope"
     rotary_base: int = 10000
+    rotary_percent: float = 1.0  # fraction of each head's dims that rotate (the first ones)
     normalization: str = "LayerNorm"  # or "RMSNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
@@ -97,7 +107,12 @@ class GPTConfig:
     init_method_std: float = 0.02
     attention_backend: str = "auto"  # auto | flash2 | sdpa | reference
     sequence_parallel: bool = False
-    checkpoint_activations: bool = False
+    # Activation recompute, Megatron's terms: granularity None | "full" | "selective" (core attention only);
+    # method for full: "uniform" (every layer, chunks of recompute_num_layers) | "block" (first N of a stage).
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int = 1
+    checkpoint_activations: bool = False  # the older switch: = full, uniform
     torch_compile: bool = False  # each TransformerLayer's forward through torch.compile (fused element-wise work)
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
@@ -109,11 +124,17 @@ class GPTConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
+        if self.checkpoint_activations and self.recompute_granularity is None:
+            self.recompute_granularity, self.recompute_method = "full", "uniform"
         self.validate()
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return rotary_dim(self.head_dim, self.rotary_percent)
 
     def validate(self, tp: int = 1) -> None:
         """Raise ModelConfigError naming the flag when this shape cannot run at tensor-parallel size tp."""
@@ -122,7 +143,15 @@ class GPTConfig:
                     num_key_value_heads=self.num_key_value_heads, ffn_hidden_size=self.ffn_hidden_size,
                     max_position_embeddings=self.max_position_embeddings, swiglu=self.swiglu,
                     position_embedding_type=self.position_embedding_type, normalization=self.normalization,
-                    sequence_parallel=self.sequence_parallel, torch_compile=self.torch_compile, tp=tp)
+                    rotary_percent=self.rotary_percent, sequence_parallel=self.sequence_parallel,
+                    torch_compile=self.torch_compile, tp=tp)
+        _need(self.recompute_granularity in (None, "full", "selective"), "--recompute-granularity",
+              f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}")
+        _need(self.recompute_granularity != "full" or self.recompute_method in ("uniform", "block"),
+              "--recompute-method", f"--recompute-granularity full needs --recompute-method uniform or block, got "
+              f"{self.recompute_method!r}")
+        _need(self.recompute_num_layers >= 1, "--recompute-num-layers",
+              f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
         _need(self.vocab_size >= 1, None, f"--vocab-size must be >= 1, got {self.vocab_size}")
         _need(self.vocab_size % tp == 0, None,
               f"padded vocabulary size {self.vocab_size} must be divisible by --tensor-model-parallel-size {tp}")

@@ -119,6 +119,8 @@ class SelfAttention(nn.Module):
         self.local_q_heads = config.num_attention_heads // tp
         self.local_kv_heads = config.num_key_value_heads // tp
         self.rope_base = config.rotary_base if config.position_embedding_type == "rope" else None
+        self.rotary_dim = config.rotary_dim
+        self.recompute_core = False  # set by assign_recompute (selective granularity)
         common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype)
         self.qkv = ColumnParallelLinear(h, q_size + 2 * kv_size, splits=[q_size, kv_size, kv_size],
@@ -134,11 +136,17 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
         q, k, v = q.view(s, b, nq, d), k.view(s, b, nkv, d), v.view(s, b, nkv, d)
         if self.rope_base is not None:
-            cos, sin = rotary_tables(s, d, self.rope_base, x.device)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            r = self.rotary_dim  # --rotary-percent: only the first r dims of each head rotate
+            cos, sin = rotary_tables(s, r, self.rope_base, x.device)
+            q, k = (torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1) if r < d
+                    else apply_rotary(t, cos, sin) for t in (q, k))
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         # attention dropout acts on this rank's heads only: give it a stream of its own
         with tp_rank_rng(self.group, x.device, enabled=self.training and self.core.dropout > 0):
-            out = self.core(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [b, s, nq, d]
+            if self.recompute_core and torch.is_grad_enabled():  # selective recompute: keep no [s, s] scores
+                out = checkpoint(self.core, q, k, v, use_reentrant=False)
+            else:
+                out = self.core(q, k, v)  # [b, s, nq, d]
         return self.proj(out.transpose(0, 1).reshape(s, b, nq * d))
 
 
@@ -169,8 +177,8 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). [s, b, h] -> [s, b, h].
 
     ``layer_number`` counts from 1 (Megatron) and seeds this layer's weights; ``tp_group`` splits
-    its heads and ffn (None: TP=1). With
-    ``checkpoint_activations`` the block is recomputed in backward (non-reentrant checkpoint); with
+    its heads and ffn (None: TP=1). ``recompute`` (set by ``assign_recompute``): "full" recomputes
+    the block in backward, "selective" only its core attention (non-reentrant checkpoints); with
     ``torch_compile`` its norms, GeLU, dropout and residual adds run as fused kernels.
     """
 
@@ -178,13 +186,13 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.group = group = _checked(config, tp_group)
         self.layer_number = layer_number
-        self.checkpoint_activations = config.checkpoint_activations
         self.sequence_parallel = config.sequence_parallel
         self.dropout = config.hidden_dropout
         self.input_norm = Norm(config, group)
         self.attention = SelfAttention(config, layer_number, group)
         self.post_attention_norm = Norm(config, group)
         self.mlp = MLP(config, layer_number, group)
+        self.recompute = recompute_mode(config, layer_number - 1)
         if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
             self._forward = torch.compile(self._forward)
 
@@ -197,10 +205,35 @@ class TransformerLayer(nn.Module):
         x = x + self._drop(self.attention(self.input_norm(x)))
         return x + self._drop(self.mlp(self.post_attention_norm(x)))
 
+    @property
+    def recompute(self) -> str | None:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str | None) -> None:
+        self._recompute = mode
+        self.attention.recompute_core = mode == "selective"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint_activations and torch.is_grad_enabled():
+        if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)
+
+
+def recompute_mode(config: GPTConfig, index: int) -> str | None:
+    """Megatron's activation recompute for the layer at ``index`` (from 0) of its pipeline stage:
+    selective = core attention of every layer; full + uniform = every layer (in chunks of
+    recompute_num_layers where the model runs them, see GPTModel); full + block = the first
+    recompute_num_layers layers of each stage; None = nothing."""
+    if config.recompute_granularity == "full" and config.recompute_method == "block":
+        return "full" if index < config.recompute_num_layers else None
+    return config.recompute_granularity
+
+
+def assign_recompute(layers, config: GPTConfig) -> None:
+    """Apply the recompute policy to one pipeline stage's TransformerLayers, in order."""
+    for index, layer in enumerate(layers):
+        layer.recompute = recompute_mode(config, index)
 
 
 class EmbeddingStage(nn.Module):
@@ -313,6 +346,14 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group) for n in range(1, config.num_layers + 1))
         self.final_norm = FinalNorm(config, tp_group)
         self.output_head = None if config.tied_embeddings else OutputHead(config, tp_group)
+        # full + uniform recompute with chunks of several layers: one checkpoint per chunk (Megatron's
+        # uniform method keeps one input per chunk), so the layers themselves do not recompute.
+        self.recompute_chunk = 1
+        if (config.recompute_granularity, config.recompute_method) == ("full", "uniform"):
+            self.recompute_chunk = config.recompute_num_layers
+            if self.recompute_chunk > 1:
+                for layer in self.layers:
+                    layer.recompute = None
 
     @property
     def attention_backend(self) -> str:
@@ -321,13 +362,23 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embedding(tokens)
-        for layer in self.layers:
-            hidden = layer(hidden)
+        if self.recompute_chunk > 1 and torch.is_grad_enabled():
+            n = self.recompute_chunk
+            for start in range(0, len(self.layers), n):
+                hidden = checkpoint(self._run_layers, hidden, start, start + n, use_reentrant=False)
+        else:
+            hidden = self._run_layers(hidden, 0, len(self.layers))
         hidden = self.final_norm(hidden)
         logits = self.embedding(hidden, logits=True) if self.output_head is None else self.output_head(hidden)
         if labels is None:
             return logits.transpose(0, 1)
         return lm_loss(logits, labels, self.tp_group)
+
+
+    def _run_layers(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            hidden = layer(hidden)
+        return hidden
 
 
 def tied_head_forward(module: EmbeddingStage, hidden: torch.Tensor) -> torch.Tensor:

@@ -45,11 +45,12 @@ def main(argv: list[str]) -> int:
     if os.environ.get("RANK", "0") == "0":
         print_notices(args)
     from megatron_ds.checkpoint import CheckpointError
+    from megatron_ds.training.lr_schedule import ScheduleMismatch
     from megatron_ds.training.loop import train
 
     try:
         code = train(args)
-    except CheckpointError as err:  # missing, partial or mismatched --load: a config error, not a crash
+    except (CheckpointError, ScheduleMismatch) as err:  # missing, partial or mismatched --load: a config error
         code = _error(str(err))
     leave_rank(code)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.model.config import GPTConfig
-from megatron_ds.model.gpt import GPTModel, gpt_stage_specs, lm_loss
+from megatron_ds.model.gpt import GPTModel, TransformerLayer, assign_recompute, gpt_stage_specs, lm_loss
 from megatron_ds.parallel.state import ParallelState
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
@@ -35,8 +35,9 @@ def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfi
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, attention_backend=args.attention_backend,
-        sequence_parallel=args.sequence_parallel, checkpoint_activations=args.checkpoint_activations,
-        torch_compile=args.torch_compile,
+        sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        rotary_percent=args.rotary_percent, torch_compile=args.torch_compile,
         params_dtype=precision.params_dtype, seed=args.seed,
     )
 
@@ -63,8 +64,11 @@ def pipeline_module(config: GPTConfig, state: ParallelState):
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, labels, tp_group).mean()  # mean per-token loss of this micro-batch
 
-    return PipelineModule(layers=layers, loss_fn=loss_fn, topology=topology,
-                          partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+    module = PipelineModule(layers=layers, loss_fn=loss_fn, topology=topology,
+                            partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+    # Recompute counts layers within a stage (Megatron's block method), known once DeepSpeed has partitioned.
+    assign_recompute([m for m in module.modules() if isinstance(m, TransformerLayer)], config)
+    return module
 
 
 class AdamW(torch.optim.AdamW):

@@ -112,6 +112,46 @@ def test_activation_checkpointing_gives_the_same_gradients(style):
                     loss_and_grads(GPTModel(plain).train(), plain, seed=4), f"{style} checkpointed")
 
 
+RECOMPUTE = {
+    "selective": dict(recompute_granularity="selective"),
+    "full_uniform_2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full_block_1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+}
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_megatron_recompute_policies_give_the_same_gradients(recompute):
+    kw = dict(LLAMA, num_layers=3, hidden_dropout=0.3, attention_dropout=0.3, attention_backend="reference")
+    plain, config = GPTConfig(**kw), GPTConfig(**dict(kw, **RECOMPUTE[recompute]))
+    model = GPTModel(config).train()
+    modes = [layer.recompute for layer in model.layers]
+    expected = {"selective": ["selective"] * 3, "full_uniform_2": [None] * 3, "full_block_1": ["full", None, None]}
+    assert modes == expected[recompute] and model.recompute_chunk == (2 if recompute == "full_uniform_2" else 1)
+    assert [layer.attention.recompute_core for layer in model.layers] == [recompute == "selective"] * 3
+    assert_same_run(loss_and_grads(model, config, seed=4), loss_and_grads(GPTModel(plain).train(), plain, seed=4),
+                    recompute)
+    with pytest.raises(ModelConfigError, match="--recompute-granularity full needs --recompute-method"):
+        GPTConfig(**dict(kw, recompute_granularity="full"))
+
+
+def test_rotary_percent_rotates_the_first_dims_only():
+    from megatron_ds.model.gpt import apply_rotary, rotary_tables
+
+    config = GPTConfig(**dict(LLAMA, rotary_percent=0.5))
+    d, r = config.head_dim, config.rotary_dim
+    assert r == d // 2
+    attention = GPTModel(config).layers[0].attention
+    x = torch.randn(5, 2, attention.local_q_heads, d)
+    cos, sin = rotary_tables(5, r, config.rotary_base, x.device)
+    rotated = apply_rotary(x[..., :r], cos, sin)
+    assert not torch.equal(rotated, x[..., :r])
+    full = GPTModel(GPTConfig(**LLAMA))
+    tokens = torch.randint(0, LLAMA["vocab_size"], (2, 8))
+    assert not torch.allclose(GPTModel(config)(tokens), full(tokens))  # the same weights, other positions
+    with pytest.raises(ModelConfigError, match="--rotary-percent"):
+        GPTConfig(**dict(LLAMA, rotary_percent=0.01))
+
+
 def test_torch_compile_gives_the_eager_model():
     """--torch-compile: every layer runs one compiled graph (inductor's CPU backend here) with the eager
     loss and gradients, also under activation checkpointing."""

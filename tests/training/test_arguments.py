@@ -57,14 +57,13 @@ def test_global_batch_defaults_to_micro_times_dp(files):
      "--num-layers", "not divisible by --pipeline-model-parallel-size 2"),
     (["--global-batch-size", "6"], 2, "--global-batch-size", "not divisible by --micro-batch-size 2 x data-parallel"),
     (["--max-position-embeddings", "32"], 1, "--seq-length", "exceeds --max-position-embeddings 32"),
-    (["--sequence-parallel"], 1, "--sequence-parallel", "needs --tensor-model-parallel-size > 1"),
     (["--zero-stage", "2", "--pipeline-model-parallel-size", "2"], 2, "--zero-stage", "--no-pipeline-parallel"),
     (["--zero-stage", "3", "--pipeline-model-parallel-size", "2"], 2, "--zero-stage", "ZeRO-1"),
     (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"], 2, "--no-pipeline-parallel", "conflicts"),
     (["--tensor-model-parallel-size", "2"], 3, "--tensor-model-parallel-size", "world size 3 is not divisible"),
     (["--bf16", "--fp16"], 1, "--bf16", "cannot be combined with --fp16"),
     (["--hidden-size", "66"], 1, "--hidden-size", "not divisible by --num-attention-heads"),
-    (["--lr-warmup-iters", "20"], 1, "--lr-warmup-iters", "must be within"),
+    (["--lr-warmup-iters", "20"], 1, "--lr-warmup-iters", "warmup ends after the decay: 40 > 20"),
     (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], 1, "--lr-warmup-fraction", "not both"),
     (["--min-lr", "1"], 1, "--min-lr", "exceeds --lr"),
     (["--data-path", "/nonexistent/prefix"], 1, "--data-path", "file not found: /nonexistent/prefix.bin"),
@@ -199,8 +198,8 @@ def test_cli_returns_2_with_the_message(files, capsys):
     from megatron_ds.runtime.bootstrap import visible_gpus
     from megatron_ds.training.cli import main
 
-    assert main(base(files, "--sequence-parallel")) == 2
-    assert "error: --sequence-parallel: needs --tensor-model-parallel-size > 1" in capsys.readouterr().err
+    assert main(base(files, "--ds-sequence-parallel-size", "2")) == 2
+    assert "error: --ds-sequence-parallel-size: 2: DeepSpeed-Ulysses" in capsys.readouterr().err
     if visible_gpus() == 0:
         assert main(base(files, "--fp16")) == 2
         assert "error: --fp16: DeepSpeed supports fp16 only on GPUs" in capsys.readouterr().err

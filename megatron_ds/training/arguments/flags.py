@@ -44,6 +44,9 @@ NO_OP_SWITCHES = {
 }
 NO_OP_WITH_VALUE = {
     "--dataset-impl": ({"mmap", "infer"}, "mds reads the mmap indexed format"),
+    "--data-impl": ({"mmap", "infer"}, "mds reads the mmap indexed format"),
+    "--tensorboard-queue-size": (None, "TensorBoard events are flushed at every log point"),
+    "--transformer-impl": ({"local"}, "mds runs its own layers (FP8 through Transformer Engine is not in mds yet)"),
     "--num-workers": (None, "samples are read in-process from the memory-mapped dataset"),
     "--timing-log-level": (None, "step time is always logged"),
     "--DDP-impl": ({"local", "torch"}, "DeepSpeed owns data parallelism"),
@@ -117,8 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="not available: falls back to the best backend with a warning")
     g.add_argument("--use-flash-attn-triton", action="store_true",
                    help="not available: falls back to the best backend with a warning")
-    g.add_argument("--checkpoint-activations", "--recompute-activations", dest="checkpoint_activations",
-                   action="store_true", help="recompute each transformer layer in backward")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each transformer layer in backward (= --recompute-granularity full "
+                        "--recompute-method uniform)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="= --recompute-granularity selective (Megatron's meaning)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="full: whole transformer layers; selective: only their core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="with full: uniform = every layer, in chunks of --recompute-num-layers (one chunk per "
+                        "layer under pipeline parallelism); block = the first --recompute-num-layers layers of "
+                        "each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's dimensions that rotary embeddings rotate")
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="DeepSpeed-Ulysses sequence parallelism: only 1 (off) in mds")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's sharded optimizer state: ZeRO-1 here (a notice says so)")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="Megatron-DeepSpeed: use DeepSpeed's checkpointing for --checkpoint-activations")
     g.add_argument("--torch-compile", action="store_true",
@@ -156,10 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int)
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--train-samples", type=int,
+                   help="train for this many samples instead of --train-iters (iterations = samples // global batch)")
+    g.add_argument("--train-tokens", type=int, help="also stop once this many tokens are consumed")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
     g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, help="sample-based training: default --train-samples")
+    g.add_argument("--lr-decay-tokens", type=int, help="decay by consumed tokens (overrides iterations/samples)")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of --lr-decay-iters")
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-tokens", type=int, help="warm up over this many consumed tokens")
+    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay span")
+    g.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler", dest="override_opt_param_scheduler",
+                   action="store_true", help="on resume, the schedule's shape comes from the flags")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, the schedule's shape comes from the checkpoint (default: they must agree)")
     g.add_argument("--optimizer", choices=["adam", "adamw"], default="adam", help="Adam with decoupled weight decay")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)

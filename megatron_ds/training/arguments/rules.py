@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from megatron_ds.training.arguments.flags import ConfigError
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
 
-REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--train-iters")
-POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval")
+REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval", "--recompute-num-layers")
 
 if TYPE_CHECKING:  # the model and parallel packages import torch: only the rules that need them load them
     from megatron_ds.parallel.state import ParallelDims
@@ -33,6 +33,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _ds_config_agrees(args)
     _filled_values_given(args)
     _precision(args)
+    _megatron_equivalents(args)
     dims = _layout(args, world_size)
     _model_shape(args, dims)
     _parallel_features(args)
@@ -129,18 +130,46 @@ def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
                     num_key_value_heads=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
                     max_position_embeddings=args.max_position_embeddings, swiglu=args.swiglu,
                     position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-                    sequence_parallel=args.sequence_parallel, torch_compile=args.torch_compile, tp=dims.tp)
+                    rotary_percent=args.rotary_percent, sequence_parallel=args.sequence_parallel,
+                    torch_compile=args.torch_compile, tp=dims.tp)
         dims.layers_per_stage(args.num_layers)
     except (ModelConfigError, ParallelConfigError) as err:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
 
 
+def _megatron_equivalents(args: argparse.Namespace) -> None:
+    """Megatron switches that map onto mds's own: activation recompute, the distributed optimizer,
+    Ulysses sequence parallelism (only its 'off' exists here)."""
+    if args.recompute_activations:  # Megatron: --recompute-activations means selective recompute
+        args.recompute_granularity = "selective"
+    if args.checkpoint_activations and args.recompute_granularity is None:
+        args.recompute_granularity, args.recompute_method = "full", args.recompute_method or "uniform"
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ConfigError("--recompute-granularity", "full needs --recompute-method uniform or block")
+    if args.recompute_granularity == "selective" and args.recompute_method is not None:
+        raise ConfigError("--recompute-method", "applies to --recompute-granularity full only (selective recomputes "
+                          "the core attention of every layer)")
+    if args.recompute_granularity is None and args.recompute_method is not None:
+        raise ConfigError("--recompute-method", "needs --recompute-granularity full")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ConfigError("--rotary-percent", f"must be within (0, 1] (got {args.rotary_percent})")
+    if args.ds_sequence_parallel_size != 1:
+        raise ConfigError("--ds-sequence-parallel-size", f"{args.ds_sequence_parallel_size}: DeepSpeed-Ulysses "
+                          "sequence parallelism is not supported by mds yet; use 1, or Megatron's "
+                          "--sequence-parallel with --tensor-model-parallel-size > 1")
+    if args.use_distributed_optimizer:
+        if args.zero_stage == 0:
+            args.zero_stage = 1
+        args.notices.append(f"note: --use-distributed-optimizer: optimizer state is sharded over data-parallel "
+                            f"ranks by DeepSpeed ZeRO-{args.zero_stage}")
+
+
 def _parallel_features(args: argparse.Namespace) -> None:
     """Sequence parallelism, ZeRO and the pipeline engine, each where it can run."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if args.sequence_parallel and tp == 1:
-        raise ConfigError("--sequence-parallel", "needs --tensor-model-parallel-size > 1 (it splits the sequence "
-                          "across the tensor-parallel ranks)")
+    if args.sequence_parallel and tp == 1:  # as Megatron: nothing to split the sequence over
+        args.sequence_parallel = False
+        args.notices.append("note: --sequence-parallel has no effect with --tensor-model-parallel-size 1; off")
     if args.zero_stage >= 2 and pp > 1:
         raise ConfigError("--zero-stage", f"ZeRO-{args.zero_stage} cannot be combined with pipeline parallelism "
                           f"(PP={pp}): DeepSpeed's pipeline engine supports ZeRO-0/1 only. Use ZeRO-1, or "
@@ -180,16 +209,64 @@ def _batch(args: argparse.Namespace, dp: int) -> None:
         raise ConfigError("--global-batch-size", "pipeline parallelism needs at least one micro-batch per stage")
 
 
+def _training_length(args: argparse.Namespace) -> None:
+    """Iteration- or sample-based training, as Megatron-DeepSpeed: one of --train-iters / --train-samples, each
+    with its own decay and warmup flags; --train-tokens also ends the run once that many tokens are consumed."""
+    given = {flag: getattr(args, _dest(flag)) for flag in ("--lr-decay-iters", "--lr-warmup-iters",
+                                                           "--lr-decay-samples", "--lr-warmup-samples")}
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise ConfigError("--train-samples", "give either --train-iters or --train-samples, not both")
+        for flag in ("--lr-decay-iters", "--lr-warmup-iters"):
+            if given[flag]:
+                raise ConfigError(flag, "sample-based training (--train-samples) takes --lr-decay-samples and "
+                                  "--lr-warmup-samples")
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.train_iters <= 0:
+            raise ConfigError("--train-samples", f"{args.train_samples} is less than one global batch "
+                              f"({args.global_batch_size})")
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+    else:
+        if args.train_iters is None:
+            raise ConfigError("--train-iters", "is required (or --train-samples; a --preset does not set it)")
+        if args.train_iters <= 0:
+            raise ConfigError("--train-iters", f"must be positive (got {args.train_iters})")
+        for flag in ("--lr-decay-samples", "--lr-warmup-samples"):
+            if given[flag]:
+                raise ConfigError(flag, "needs sample-based training (--train-samples instead of --train-iters)")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+    if args.train_tokens is not None:
+        if args.train_tokens <= 0:
+            raise ConfigError("--train-tokens", f"must be positive (got {args.train_tokens})")
+        per_iteration = args.global_batch_size * args.seq_length
+        args.train_iters = min(args.train_iters, -(-args.train_tokens // per_iteration))
+
+
 def _schedule(args: argparse.Namespace) -> None:
-    if args.lr_warmup_fraction is not None and "--lr-warmup-iters" in args.argv:
-        raise ConfigError("--lr-warmup-fraction", "give either --lr-warmup-fraction or --lr-warmup-iters, not both")
+    from megatron_ds.training.lr_schedule import from_args
+
+    _training_length(args)
+    warmups = [flag for flag in ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-tokens")
+               if getattr(args, _dest(flag))]
     if args.lr_warmup_fraction is not None:
+        if warmups:
+            raise ConfigError("--lr-warmup-fraction", f"give either --lr-warmup-fraction or {warmups[0]}, not both")
         if not 0.0 <= args.lr_warmup_fraction <= 1.0:
             raise ConfigError("--lr-warmup-fraction", f"must be within [0, 1] (got {args.lr_warmup_fraction})")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_warmup_iters < 0 or args.lr_warmup_iters > args.lr_decay_iters:
-        raise ConfigError("--lr-warmup-iters", f"{args.lr_warmup_iters} must be within [0, --lr-decay-iters "
-                          f"{args.lr_decay_iters}]")
+    for flag in ("--lr-decay-iters", "--lr-decay-samples", "--lr-decay-tokens", "--lr-warmup-iters",
+                 "--lr-warmup-samples", "--lr-warmup-tokens"):
+        value = getattr(args, _dest(flag))
+        if value is not None and value < 0:
+            raise ConfigError(flag, f"must be >= 0 (got {value})")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler")
+    schedule = from_args(args)
+    if schedule.warmup > schedule.decay:
+        flag = warmups[0] if warmups else "--lr-warmup-fraction"
+        raise ConfigError(flag, f"warmup ends after the decay: {schedule.warmup:g} > {schedule.decay:g} (samples, or "
+                          "tokens with a --lr-*-tokens flag)")
     if args.min_lr > args.lr:
         raise ConfigError("--min-lr", f"{args.min_lr} exceeds --lr {args.lr}")
     if args.clip_grad < 0:
