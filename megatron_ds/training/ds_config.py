@@ -26,8 +26,10 @@ def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = args.zero_stage
     config["zero_optimization"] = zero
-    for section, ours in precision.deepspeed_config().items():  # keep the user's other keys (e.g.
-        config[section] = {**(config.get(section) or {}), **ours}  # bf16.immediate_grad_update)
+    for section, ours in precision.deepspeed_config().items():
+        # The user's keys win (e.g. bf16.immediate_grad_update, the fp16 loss scaling of the file, as under
+        # Megatron-DeepSpeed's --deepspeed); "enabled" is the flags' (validate checked they agree).
+        config[section] = {**ours, **(config.get(section) or {}), "enabled": ours["enabled"]}
     if args.sequence_parallel:
         # DeepSpeed's pipeline engine splits inter-stage activations (and their gradients) over TP by
         # default, assuming every TP rank holds the same activations; under sequence parallelism each

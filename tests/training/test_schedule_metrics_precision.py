@@ -63,6 +63,16 @@ def test_ds_config_keeps_user_sections_and_sets_flags():
     assert "pipeline" not in config  # DeepSpeed's defaults when the activations are TP-replicated
 
 
+def test_ds_config_file_loss_scaling_wins_as_under_megatron_deepspeed():
+    from types import SimpleNamespace
+
+    user = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "initial_scale_power": 11}
+    args = SimpleNamespace(ds_config_file={"fp16": dict(user)}, global_batch_size=4, micro_batch_size=2,
+                           gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=0, sequence_parallel=False)
+    config = build_ds_config(args, Precision("fp16", torch.float16, loss_scale=12.0), on_cpu=False)
+    assert config["fp16"] == {**Precision("fp16", torch.float16).deepspeed_config()["fp16"], **user}
+
+
 def test_ds_config_sequence_parallel_keeps_pipeline_activations_whole():
     from types import SimpleNamespace
 
