@@ -136,6 +136,7 @@ class StopConditions:
     evaluation, save). ``early_stop``: --exit-interval, or a signal / --exit-duration-in-mins agreed
     on by all ranks (StopAgreement: collective, so it runs only when one of those flags is given);
     the run saves and leaves. Use as a context manager: it installs the signal handlers.
+    The loop asks only this object whether training is over (a length in samples would change ``finished``).
     """
 
     def __init__(self, *, train_iters: int, exit_interval: int | None = None, handle_signals: bool = False,
