@@ -1,11 +1,13 @@
 """Checkpoint save/load, exact resume, preemption and export.
 
-The training loop calls ``load(engine, args)`` once at start and ``save(engine, args, state)`` every
---save-interval and at exit; ``StopAgreement`` (preemption.py) decides, collectively, when to stop.
+The training loop owns its TrainState and a ``Checkpointer(engine, args)``: ``load(state)`` once at
+start, ``save(state)`` when ``due(iteration)`` (--save-interval) and at exit; the checkpointer
+records ``state.state_dict()`` and restores it with ``state.load_state_dict``. ``StopAgreement``
+(preemption.py) decides, collectively, when a signal or the time limit stops the run.
 """
 
-from megatron_ds.checkpoint.checkpointing import load, resolve, save
+from megatron_ds.checkpoint.checkpointing import Checkpointer, load, resolve, save
 from megatron_ds.checkpoint.metadata import CheckpointError
 from megatron_ds.checkpoint.preemption import StopAgreement
 
-__all__ = ["CheckpointError", "StopAgreement", "load", "resolve", "save"]
+__all__ = ["CheckpointError", "Checkpointer", "StopAgreement", "load", "resolve", "save"]

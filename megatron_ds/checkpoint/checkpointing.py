@@ -1,5 +1,9 @@
 """save() and load(): DeepSpeed's checkpoint files plus mds's metadata and per-rank RNG states.
 
+The loop owns its TrainState and passes it in: save() records ``state.state_dict()`` (as DeepSpeed's
+client state and at the top of mds_checkpoint.json), load() restores it with ``state.load_state_dict``.
+``Checkpointer`` binds them to one run's engine and flags and says when a save is due.
+
 DeepSpeed writes the model, optimizer and ZeRO partitions, LR scheduler and loss scaler into
 ``<dir>/<tag>/``. We give it a temporary tag, add our metadata and one RNG file per rank, make
 every byte durable (each rank fsyncs the files it wrote), and only then does rank 0 rename the
@@ -86,13 +90,15 @@ def _writes_through(engine, *, drop_optimizer: bool):
 
 
 def save(engine, args: Namespace, state) -> str | None:
-    """Write a checkpoint of ``state.iteration`` to ``args.save``; collective (every rank calls it).
+    """Write a checkpoint of the train state ``state`` (a TrainState: its state_dict() holds
+    ``iteration``) to ``args.save``; collective (every rank calls it).
 
     Returns the published directory (None when this iteration was already saved by this process).
     """
     global _last_saved
     save_dir = os.path.abspath(args.save)
-    iteration = int(state.iteration)
+    client_state = state.state_dict()
+    iteration = int(client_state["iteration"])
     if _last_saved == (save_dir, iteration):
         return None
     rank = _rank()
@@ -105,11 +111,6 @@ def save(engine, args: Namespace, state) -> str | None:
             _log(f"removed leftovers of interrupted saves: {', '.join(removed)}")
     _barrier()
 
-    client_state = {
-        "iteration": iteration,
-        "consumed_train_samples": int(state.consumed_train_samples),
-        "consumed_valid_samples": int(getattr(state, "consumed_valid_samples", 0)),
-    }
     save_optim = not getattr(args, "no_save_optim", False)
     save_rng = not getattr(args, "no_save_rng", False)
     with _writes_through(engine, drop_optimizer=not save_optim):
@@ -122,8 +123,7 @@ def save(engine, args: Namespace, state) -> str | None:
 
     if rank == 0:
         layout = current_layout(engine)
-        metadata = meta.build(args, layout, iteration, client_state["consumed_train_samples"],
-                              client_state["consumed_valid_samples"], meta.manifest(tmp_dir),
+        metadata = meta.build(args, layout, client_state, meta.manifest(tmp_dir),
                               optimizer_saved=save_optim, rng_saved=save_rng)
         meta.write(tmp_dir, metadata)
         paths.fsync_dir(tmp_dir)
@@ -156,23 +156,24 @@ def resolve(load_dir: str) -> tuple[str, str] | None:
     return tag, directory
 
 
-def load(engine, args: Namespace):
-    """Load the checkpoint ``latest`` names in ``args.load`` into the engine; collective.
+def load(engine, args: Namespace, state) -> bool:
+    """Load the checkpoint ``latest`` names in ``args.load`` into the engine and the train state
+    ``state`` (through its load_state_dict); collective.
 
-    Returns the TrainState to continue from, or None when there is nothing to load (no --load, or
-    --load equal to --save and still empty: the first run of a job that resumes itself).
-    --finetune loads the weights only and restarts at iteration 0; --no-load-optim skips the
-    optimizer and LR scheduler; --no-load-rng skips the RNG states.
+    Returns False when there is nothing to load (no --load, or --load equal to --save and still
+    empty: the first run of a job that resumes itself); ``state`` is then left as it was.
+    --finetune loads the weights only and leaves ``state`` alone (a fresh one starts at iteration 0);
+    --no-load-optim skips the optimizer and LR scheduler; --no-load-rng skips the RNG states.
     """
     if not getattr(args, "load", None):
-        return None
+        return False
     load_dir = os.path.abspath(args.load)
     found = resolve(load_dir)
     if found is None:
         same_as_save = getattr(args, "save", None) and os.path.abspath(args.save) == load_dir
         if same_as_save:
             _log(f"no checkpoint in {load_dir} yet: starting from scratch")
-            return None
+            return False
         what = "does not exist" if not os.path.isdir(load_dir) else "holds no checkpoint (no 'latest', no iter_*)"
         raise CheckpointError(f"--load {load_dir} {what}")
     tag, directory = found
@@ -182,6 +183,7 @@ def load(engine, args: Namespace):
 
     metadata = meta.read(directory)
     meta.check_complete(directory, metadata)
+    saved_state = None if finetune else meta.saved_train_state(metadata, state.state_dict(), directory)
     layout = current_layout(engine)
     meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory)
 
@@ -196,28 +198,34 @@ def load(engine, args: Namespace):
     global _last_saved
     if getattr(args, "save", None) and os.path.abspath(args.save) == load_dir and not finetune:
         _last_saved = (load_dir, int(metadata["iteration"]))  # a run with nothing left to train need not re-save
-    train_state = _train_state_class()
     if finetune:
         _log(f"--finetune: loaded weights of iteration {metadata['iteration']} from {directory}; "
              "starting at iteration 0")
-        return train_state(iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+        return True
+    state.load_state_dict(saved_state)
     _log(f"resuming from iteration {metadata['iteration']} ({metadata['consumed_train_samples']} samples) "
          f"of {directory}" + ("" if load_optim else " without optimizer state")
          + ("" if load_rng else " without RNG state"))
-    return train_state(iteration=metadata["iteration"],
-                       consumed_train_samples=metadata["consumed_train_samples"],
-                       consumed_valid_samples=metadata["consumed_valid_samples"])
+    return True
 
 
-def _train_state_class():
-    """The training loop's TrainState (training imports us, so look it up at call time)."""
-    for module_name in ("megatron_ds.training.state", "megatron_ds.training.loop"):
-        try:
-            module = __import__(module_name, fromlist=["TrainState"])
-        except ImportError:
-            continue
-        if hasattr(module, "TrainState"):
-            return module.TrainState
-    from megatron_ds.checkpoint.state import TrainState
+class Checkpointer:
+    """One run's checkpointing, from its flags: what to resume from (--load), where (--save) and how
+    often (--save-interval) to save. The loop asks ``due(iteration)`` after each step."""
 
-    return TrainState
+    def __init__(self, engine, args: Namespace):
+        self.engine, self.args = engine, args
+        self.enabled = bool(getattr(args, "save", None))  # without --save nothing is ever saved
+        self.interval = getattr(args, "save_interval", None) if self.enabled else None
+
+    def load(self, state) -> bool:
+        """Restore the engine and ``state`` from --load; False when there was nothing to load."""
+        return load(self.engine, self.args, state)
+
+    def due(self, iteration: int) -> bool:
+        """A periodic save is due after this iteration."""
+        return bool(self.interval) and iteration % self.interval == 0
+
+    def save(self, state) -> str | None:
+        """Save ``state`` and the engine to --save (collective); nothing without --save."""
+        return save(self.engine, self.args, state) if self.enabled else None

@@ -52,24 +52,34 @@ def jsonable(value):
     return repr(value)
 
 
-def build(args: Namespace, layout: Layout, iteration: int, consumed_train_samples: int,
-          consumed_valid_samples: int, files: dict[str, int], *, optimizer_saved: bool = True,
-          rng_saved: bool = True) -> dict:
+def build(args: Namespace, layout: Layout, train_state: dict, files: dict[str, int], *,
+          optimizer_saved: bool = True, rng_saved: bool = True) -> dict:
+    """The metadata of one checkpoint; the loop's train state (iteration, consumed samples, ...) is
+    recorded at the top level, each field under its own name."""
     from megatron_ds import __version__
 
-    return {
+    metadata = {
         "format": FORMAT,
         "mds_version": __version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "iteration": iteration,
-        "consumed_train_samples": consumed_train_samples,
-        "consumed_valid_samples": consumed_valid_samples,
         "layout": asdict(layout),
         "optimizer_saved": optimizer_saved,
         "rng_saved": rng_saved,
         "args": {k: jsonable(v) for k, v in sorted(vars(args).items())},
         "files": files,
     }
+    clashes = sorted(set(train_state) & set(metadata))
+    if clashes:
+        raise ValueError(f"train state fields {clashes} clash with {METADATA_FILE}'s own keys")
+    return {**metadata, **{k: jsonable(v) for k, v in train_state.items()}}
+
+
+def saved_train_state(metadata: dict, fields, directory: str) -> dict:
+    """The saved values of the train state's ``fields``, for TrainState.load_state_dict."""
+    missing = [name for name in fields if name not in metadata]
+    if missing:
+        raise CheckpointError(f"{os.path.join(directory, METADATA_FILE)} lacks the train state's {missing}")
+    return {name: metadata[name] for name in fields}
 
 
 def write(directory: str, metadata: dict) -> str:

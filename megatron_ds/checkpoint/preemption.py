@@ -6,7 +6,8 @@ MAX of the flags over the world group. So all ranks see the same answer at the s
 save one checkpoint together and exit 0, and a rank that was never signalled does not wait forever
 in a collective for one that left.
 
-Usage in the loop::
+Usage in a loop (mds's own wraps it, with the training length and --exit-interval, in
+``StopConditions``, megatron_ds/training/loop.py)::
 
     stop = StopAgreement(handle_signals=args.exit_signal_handler,
                          exit_duration_mins=args.exit_duration_in_mins)

@@ -1,14 +1,20 @@
 """Every random number generator a rank uses, captured and restored so that resume is exact.
 
-Dropout masks and data shuffles after a resume must be the ones the uninterrupted run drew:
-python's ``random``, numpy's global generator, torch's CPU generator, every CUDA device's
-generator, and the model's tensor-parallel RNG tracker when the model has one. Each rank keeps its
-own states (TP ranks draw different dropout masks), so each rank writes a small file of its own.
+Dropout masks after a resume must be the ones the uninterrupted run drew. A rank's randomness
+lives in four global generators, and these are what we capture: python's ``random``, numpy's
+global generator, torch's default CPU generator and every CUDA device's default generator.
+
+That is all there is. The per-tensor-parallel-rank streams (dropout on this rank's attention heads)
+keep no state of their own: ``megatron_ds.parallel.random.tp_rank_rng`` derives each one, per call,
+from one draw of the default CPU generator and runs on a forked copy, so restoring the default
+generators restores them too. (Weights are initialised from generators seeded by parameter name,
+and the data order is a function of the seed and the consumed samples: neither needs saving.)
+Pipeline stages are seeded apart (seed + 100 x stage) and a rank's CUDA states are its own, so each
+rank writes and restores a small file of its own.
 """
 
 from __future__ import annotations
 
-import importlib
 import random
 
 import numpy as np
@@ -19,32 +25,13 @@ def rng_file_name(rank: int) -> str:
     return f"mds_rng_rank{rank:05d}.pt"
 
 
-def _tracker():
-    """The model's TP RNG tracker (an object with get_states/set_states), if the model defines one."""
-    for module_name in ("megatron_ds.parallel.random", "megatron_ds.model.random"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        getter = getattr(module, "get_rng_tracker", None) or getattr(module, "get_cuda_rng_tracker", None)
-        if getter is not None:
-            tracker = getter()
-            if hasattr(tracker, "get_states") and hasattr(tracker, "set_states"):
-                return tracker
-    return None
-
-
 def capture() -> dict:
-    state = {
+    return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
-    tracker = _tracker()
-    if tracker is not None:
-        state["tracker"] = tracker.get_states()
-    return state
 
 
 def restore(state: dict) -> None:
@@ -53,6 +40,3 @@ def restore(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    tracker = _tracker()
-    if tracker is not None and state.get("tracker") is not None:
-        tracker.set_states(state["tracker"])

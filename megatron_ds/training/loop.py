@@ -1,11 +1,15 @@
 """The training loop: parallel state -> tokenizer -> model/engine -> data -> step, log, eval, save, exit.
 
 Runs in every rank (the CLI has already validated the flags and become a rank). Composes the
-pieces of this package; each of them is testable on its own.
+pieces of this package; each of them is testable on its own. The loop asks each component when it
+is due: the metrics logger (--log-interval), the Evaluator (--eval-interval), the Checkpointer
+(--save-interval); StopConditions holds every reason to stop (the training length, --exit-interval,
+signals and --exit-duration-in-mins).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -14,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_ds.checkpoint import Checkpointer, StopAgreement
 from megatron_ds.training.arguments import pad_vocab_size
 from megatron_ds.training.data import MicroBatches, build_datasets
 from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops
@@ -70,6 +75,99 @@ class IntervalTimer:
         self.t0 = time.perf_counter()
         return elapsed
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the block's time (evaluation, saving) out of the step time."""
+        self.pause()
+        yield
+        self.start()
+
+
+class LossSinceLastLog:
+    """The training loss summed over the steps since the last log line, kept on the device (reading
+    it synchronises with the device, so it is read only at log points), and the skipped-step count
+    (fp16 overflows) at the last log line."""
+
+    def __init__(self, device: torch.device, skipped_steps: int):
+        self.device, self.skipped_at_start = device, skipped_steps
+        self.total, self.steps = torch.zeros((), device=device), 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total += loss
+        self.steps += 1
+
+    def take(self, skipped_steps: int) -> tuple[float, int]:
+        """(mean loss, steps skipped) since the last take; starts the next interval."""
+        mean, skipped = float(self.total) / self.steps, skipped_steps - self.skipped_at_start
+        self.total, self.steps, self.skipped_at_start = torch.zeros((), device=self.device), 0, skipped_steps
+        return mean, skipped
+
+
+class Evaluator:
+    """Validation: --eval-iters global batches of the validation set every --eval-interval iterations,
+    and once when training ends unless its last iteration was just evaluated.
+
+    ``evaluate(dataset, first_sample)`` runs the batches and returns (mean loss, samples used); the
+    validation position (``consumed_valid_samples``) lives in the train state, so resume continues it.
+    """
+
+    def __init__(self, evaluate, dataset, *, interval: int, iters: int, metrics: MetricsLogger):
+        self.evaluate, self.dataset, self.interval, self.metrics = evaluate, dataset, interval, metrics
+        self.enabled = dataset is not None and iters > 0
+
+    def due(self, iteration: int) -> bool:
+        return self.enabled and iteration % self.interval == 0
+
+    def due_at_end(self, last_iteration: int) -> bool:
+        """Training ran to ``last_iteration``: evaluate once more unless due() already did there."""
+        return self.enabled and last_iteration % self.interval != 0
+
+    def run(self, state: TrainState) -> float:
+        loss, used = self.evaluate(self.dataset, state.consumed_valid_samples)
+        state.consumed_valid_samples += used
+        self.metrics.log_eval(state.iteration, state.consumed_train_samples, loss)
+        return loss
+
+
+class StopConditions:
+    """Every reason the loop stops, in one place.
+
+    ``finished``: the training length is reached (--train-iters); the run ends normally (final
+    evaluation, save). ``early_stop``: --exit-interval, or a signal / --exit-duration-in-mins agreed
+    on by all ranks (StopAgreement: collective, so it runs only when one of those flags is given);
+    the run saves and leaves. Use as a context manager: it installs the signal handlers.
+    The loop asks only this object whether training is over (a length in samples would change ``finished``).
+    """
+
+    def __init__(self, *, train_iters: int, exit_interval: int | None = None, handle_signals: bool = False,
+                 exit_duration_mins: float | None = None):
+        self.train_iters, self.exit_interval = train_iters, exit_interval
+        self.agreement = StopAgreement(handle_signals=handle_signals, exit_duration_mins=exit_duration_mins)
+        self.agree_each_step = handle_signals or exit_duration_mins is not None
+
+    @classmethod
+    def from_args(cls, args) -> StopConditions:
+        return cls(train_iters=args.train_iters, exit_interval=args.exit_interval,
+                   handle_signals=args.exit_signal_handler, exit_duration_mins=args.exit_duration_in_mins)
+
+    def __enter__(self) -> StopConditions:
+        self.agreement.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.agreement.uninstall()
+
+    def finished(self, state: TrainState) -> bool:
+        return state.iteration >= self.train_iters
+
+    def early_stop(self, state: TrainState) -> str | None:
+        """Why to stop after this step (the same on every rank), or None."""
+        if self.exit_interval and state.iteration % self.exit_interval == 0:
+            return f"--exit-interval {self.exit_interval} reached at iteration {state.iteration}"
+        if self.agree_each_step:
+            return self.agreement.should_stop()  # collective: all ranks stop at the same iteration
+        return None
+
 
 class Trainer:
     """One training run. `run()` returns the process exit code."""
@@ -89,17 +187,17 @@ class Trainer:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
             # One process: an in-memory store, so no TCP port is needed (nor can collide with another job).
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        self.state = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend)
+        self.parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend)
         # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
-        torch.manual_seed(args.seed + 100 * self.state.pp_rank)
+        torch.manual_seed(args.seed + 100 * self.parallel.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                                          tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
         self.padded_vocab = pad_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                            args.tensor_model_parallel_size)
         self.precision = precision_from_args(args)
-        built = build_engine(args, self.precision, self.state, self.padded_vocab)
+        built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
-        s = self.state
+        s = self.parallel
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}, "
              f"ZeRO-{args.zero_stage}, {self.precision.name}, "
              f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
@@ -117,9 +215,13 @@ class Trainer:
         if self.train_ds is None:
             raise RuntimeError("--split leaves no training data")
         self.metrics = MetricsLogger(
-            enabled=self.state.rank == 0, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
+            enabled=self.parallel.rank == 0, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
             seq_length=args.seq_length, flops_per_token=self.config.flops_per_token(), world_size=args.world_size,
-            peak=peak_flops(args.peak_tflops), metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir)
+            peak=peak_flops(args.peak_tflops), metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
+            log_interval=args.log_interval)
+        self.evaluator = Evaluator(self.evaluate, self.valid_ds, interval=args.eval_interval, iters=args.eval_iters,
+                                   metrics=self.metrics)
+        self.checkpointer = Checkpointer(self.engine, args)
 
     # -- data ---------------------------------------------------------------------------------------------
 
@@ -128,17 +230,17 @@ class Trainer:
 
     def _batches(self, dataset, first_sample: int) -> MicroBatches:
         a = self.args
-        return MicroBatches(dataset, first_sample, micro_batch_size=a.micro_batch_size, dp_size=self.state.dp_size,
-                            dp_rank=self.state.dp_rank, accumulation_steps=a.gradient_accumulation_steps,
+        return MicroBatches(dataset, first_sample, micro_batch_size=a.micro_batch_size, dp_size=self.parallel.dp_size,
+                            dp_rank=self.parallel.dp_rank, accumulation_steps=a.gradient_accumulation_steps,
                             device=self.device)
 
     # -- steps --------------------------------------------------------------------------------------------
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.state.dp_size > 1:
+        if self.parallel.dp_size > 1:
             value = value.detach().clone()
-            dist.all_reduce(value, group=self.state.dp_group)
-            value /= self.state.dp_size
+            dist.all_reduce(value, group=self.parallel.dp_group)
+            value /= self.parallel.dp_size
         return value
 
     def train_step(self, first_sample: int) -> torch.Tensor:
@@ -199,73 +301,51 @@ class Trainer:
         norm = float(norm)
         return norm if math.isfinite(norm) else float("nan")
 
-    def run(self) -> int:
-        from megatron_ds import checkpoint
+    def _log_train(self, st: TrainState, lr: float, losses: LossSinceLastLog, timer: IntervalTimer) -> None:
+        """The log line of the steps since the last one: mean loss and step time."""
+        step_time = timer.take() / losses.steps
+        loss, skipped = losses.take(self.engine.skipped_steps)
+        stats = StepStats(st.iteration, st.consumed_train_samples, loss, lr, self._grad_norm(),
+                          self._loss_scale(), step_time)
+        self.metrics.log_train(stats, skipped=skipped)
 
+    def run(self) -> int:
         args = self.args
         self.setup()
-        st = checkpoint.load(self.engine, args) if args.load else None
-        st = st or TrainState()
-        stop = checkpoint.StopAgreement(handle_signals=args.exit_signal_handler,
-                                        exit_duration_mins=args.exit_duration_in_mins).install()
-        # Loss summed on the device over the steps since the last log line; read only at log points.
-        interval_loss, interval_steps = torch.zeros((), device=self.device), 0
-        interval_start_skips = self.engine.skipped_steps
+        st = TrainState()  # the loop's position; self.parallel is the TP/PP/DP layout
+        self.checkpointer.load(st)
+        losses = LossSinceLastLog(self.device, self.engine.skipped_steps)
         timer = IntervalTimer(self.device)
         reason = None
-
-        def log_interval_end(lr: float) -> None:  # the mean loss and step time since the last log line
-            nonlocal interval_loss, interval_steps, interval_start_skips
-            step_time = timer.take() / interval_steps
-            stats = StepStats(st.iteration, st.consumed_train_samples, float(interval_loss) / interval_steps, lr,
-                              self._grad_norm(), self._loss_scale(), step_time)
-            self.metrics.log_train(stats, skipped=self.engine.skipped_steps - interval_start_skips)
-            interval_loss, interval_steps = torch.zeros((), device=self.device), 0
-            interval_start_skips = self.engine.skipped_steps
         try:
-            timer.start()
-            while st.iteration < args.train_iters:
-                lr = self._lr()
-                interval_loss += self.train_step(st.consumed_train_samples)
-                interval_steps += 1
-                st.iteration += 1
-                st.consumed_train_samples += args.global_batch_size
-                if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
-                    log_interval_end(lr)
-                if self.valid_ds is not None and args.eval_iters > 0 and st.iteration % args.eval_interval == 0:
-                    timer.pause()
-                    val, used = self.evaluate(self.valid_ds, st.consumed_valid_samples)
-                    st.consumed_valid_samples += used
-                    self.metrics.log_eval(st.iteration, st.consumed_train_samples, val)
-                    timer.start()
-                if args.save and args.save_interval and st.iteration % args.save_interval == 0:
-                    timer.pause()
-                    checkpoint.save(self.engine, args, st)
-                    timer.start()
-                if args.exit_interval and st.iteration % args.exit_interval == 0:
-                    reason = f"--exit-interval {args.exit_interval} reached at iteration {st.iteration}"
-                    break
-                if args.exit_signal_handler or args.exit_duration_in_mins is not None:
-                    reason = stop.should_stop()  # collective: all ranks stop at the same iteration
-                    if reason is not None:
+            with StopConditions.from_args(args) as stop:
+                timer.start()
+                while not stop.finished(st):
+                    lr = self._lr()
+                    losses.add(self.train_step(st.consumed_train_samples))
+                    st.advance(args.global_batch_size)
+                    if self.metrics.due(st.iteration) or stop.finished(st):
+                        self._log_train(st, lr, losses, timer)
+                    if self.evaluator.due(st.iteration):
+                        with timer.paused():
+                            self.evaluator.run(st)
+                    if self.checkpointer.due(st.iteration):
+                        with timer.paused():
+                            self.checkpointer.save(st)
+                    if (reason := stop.early_stop(st)) is not None:
                         break
-            if interval_steps:  # stopped between two log lines: report the steps since the last one
-                log_interval_end(lr)
-            if reason is None and self.valid_ds is not None and args.eval_iters > 0 and \
-                    args.train_iters % args.eval_interval != 0:
-                val, used = self.evaluate(self.valid_ds, st.consumed_valid_samples)
-                st.consumed_valid_samples += used
-                self.metrics.log_eval(st.iteration, st.consumed_train_samples, val)
-            if args.save:
-                checkpoint.save(self.engine, args, st)
-            if reason is not None:
-                saved = "" if args.save else " (no --save given: nothing was saved)"
-                _log(f"mds train: stopping: {reason}{saved}; last iteration {st.iteration}")
-            else:
-                _log(f"mds train: done, {st.iteration} iterations, {st.consumed_train_samples} samples")
-            return 0
+                if losses.steps:  # stopped between two log lines: report the steps since the last one
+                    self._log_train(st, lr, losses, timer)
+                if reason is None and self.evaluator.due_at_end(stop.train_iters):
+                    self.evaluator.run(st)
+                self.checkpointer.save(st)
+                if reason is not None:
+                    saved = "" if self.checkpointer.enabled else " (no --save given: nothing was saved)"
+                    _log(f"mds train: stopping: {reason}{saved}; last iteration {st.iteration}")
+                else:
+                    _log(f"mds train: done, {st.iteration} iterations, {st.consumed_train_samples} samples")
+                return 0
         finally:
-            stop.uninstall()
             self.metrics.close()
 
 

@@ -58,12 +58,15 @@ def _finite_or_none(x):
 
 
 class MetricsLogger:
-    """Rank-0 sink for training and evaluation metrics (other ranks construct it with enabled=False)."""
+    """Rank-0 sink for training and evaluation metrics (other ranks construct it with enabled=False).
+
+    It knows the cadence, --log-interval, which the loop asks through ``due(iteration)``.
+    """
 
     def __init__(self, *, enabled: bool, train_iters: int, global_batch_size: int, seq_length: int,
                  flops_per_token: float, world_size: int, peak: float | None, metrics_file: str | None,
-                 tensorboard_dir: str | None, stream=sys.stdout):
-        self.enabled = enabled
+                 tensorboard_dir: str | None, log_interval: int = 1, stream=sys.stdout):
+        self.enabled, self.log_interval = enabled, log_interval
         self.train_iters, self.global_batch_size, self.seq_length = train_iters, global_batch_size, seq_length
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, peak
         self.stream = stream
@@ -77,6 +80,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def due(self, iteration: int) -> bool:
+        """A training line is due after this iteration (the loop adds one after the last step)."""
+        return iteration % self.log_interval == 0
 
     def train_record(self, s: StepStats) -> dict:
         tokens = self.global_batch_size * self.seq_length

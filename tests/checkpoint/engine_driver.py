@@ -76,8 +76,8 @@ def main(argv) -> int:
     import deepspeed
 
     from megatron_ds import checkpoint
-    from megatron_ds.checkpoint.state import TrainState
     from megatron_ds.parallel import state as parallel
+    from megatron_ds.training.state import TrainState
 
     parallel.init_parallel(1, 1, backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -106,8 +106,9 @@ def main(argv) -> int:
 
         engine.checkpoint_engine.save = slow
 
-    state = checkpoint.load(engine, args) if args.load else None
-    state = state or TrainState()
+    checkpointer = checkpoint.Checkpointer(engine, args)
+    state = TrainState()
+    checkpointer.load(state)
     stop = checkpoint.StopAgreement(handle_signals=args.exit_signal_handler,
                                     exit_duration_mins=args.exit_duration_in_mins).install()
     metrics = open(args.metrics_file, "a") if args.metrics_file and rank == 0 else None
@@ -120,22 +121,20 @@ def main(argv) -> int:
         engine.step()
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
-        state.iteration += 1
-        state.consumed_train_samples += args.global_batch_size
+        state.advance(args.global_batch_size)
         if metrics:
             metrics.write(json.dumps({"iteration": state.iteration, "loss": reduced.item() / world,
                                       "consumed_samples": state.consumed_train_samples}) + "\n")
             metrics.flush()
         time.sleep(args.step_sleep)
-        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            checkpoint.save(engine, args, state)
+        if checkpointer.due(state.iteration):
+            checkpointer.save(state)
         reason = stop.should_stop()
         if reason:
             if rank == 0:
                 print(f"driver: {reason} at iteration {state.iteration}", flush=True)
             break
-    if args.save:
-        checkpoint.save(engine, args, state)
+    checkpointer.save(state)
     dist.barrier()
     dist.destroy_process_group()
     return 0
