@@ -132,11 +132,12 @@ class Evaluator:
 class StopConditions:
     """Every reason the loop stops, in one place.
 
-    ``finished``: the training length is reached (--train-iters); the run ends normally (final
+    ``finished``: the training length is reached (--train-iters, or what validation derived from
+    --train-samples / --train-tokens, as Megatron-DeepSpeed does); the run ends normally (final
     evaluation, save). ``early_stop``: --exit-interval, or a signal / --exit-duration-in-mins agreed
     on by all ranks (StopAgreement: collective, so it runs only when one of those flags is given);
     the run saves and leaves. Use as a context manager: it installs the signal handlers.
-    The loop asks only this object whether training is over (a length in samples would change ``finished``).
+    The loop asks only this object whether training is over.
     """
 
     def __init__(self, *, train_iters: int, exit_interval: int | None = None, handle_signals: bool = False,
