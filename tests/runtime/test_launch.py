@@ -253,8 +253,9 @@ def test_signal_grace_lets_ranks_finish_after_an_outside_sigterm():
 @pytest.mark.parametrize("mode", ["spawn", "exec"])
 def test_rank_ld_preload_reaches_ranks_only(tmp_path, mode):
     """MDS_RANK_LD_PRELOAD (the MS-AMP image's libmsamp_dist.so) is preloaded into rank processes, not the launcher."""
+    # one write(2) per rank: two ranks share the pipe, and print() may split a line into several writes
     show = [PY, "-c", "import os; maps = open('/proc/self/maps').read(); "
-            "print('PRELOAD', os.environ.get('LD_PRELOAD'), 'libz.so' in maps)"]
+            "os.write(1, f\"PRELOAD {os.environ.get('LD_PRELOAD')} {'libz.so' in maps}\\n\".encode())"]
     env = clean_env(MDS_RANK_LD_PRELOAD="libz.so.1")
     if mode == "exec":
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
