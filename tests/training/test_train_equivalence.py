@@ -98,7 +98,8 @@ def test_metrics_file_fields_and_consistency(gpt_baseline):
         assert r["grad_norm"] > 0 and r["mem_gib"] > 0 and r["loss_scale"] is None and r["tflops_per_gpu"] > 0
         if "MDS_PEAK_TFLOPS" not in os.environ:
             assert r["mfu"] is None  # CPU: no invented peak
-    assert train[0]["lr"] == pytest.approx(5e-4) and train[1]["lr"] == pytest.approx(1e-3)  # warmup 2 iterations
+    # warmup 2 iterations; the update of iteration k uses the rate before it (Megatron-DeepSpeed's schedule)
+    assert train[0]["lr"] == 0.0 and train[1]["lr"] == pytest.approx(5e-4) and train[2]["lr"] == pytest.approx(1e-3)
     assert train[-1]["lr"] < train[1]["lr"]
     (val,) = gpt_baseline["eval"]
     assert val["iteration"] == ITERS and val["val_ppl"] == pytest.approx(2.718281828 ** val["val_loss"], rel=1e-6)
@@ -165,7 +166,7 @@ def test_llama_tp2_matches_tp1(tmp_path_factory, demo_corpus, llama_baseline):
 @pytest.mark.parametrize("extra, flag, text", [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--nproc-per-node", "1"],
      "--tensor-model-parallel-size", "world size 1 is not divisible"),
-    (["--sequence-parallel"], "--sequence-parallel", "needs --tensor-model-parallel-size > 1"),
+    (["--ds-sequence-parallel-size", "2"], "--ds-sequence-parallel-size", "DeepSpeed-Ulysses"),
     (["--zero-stage", "2", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"], "--zero-stage",
      "cannot be combined with pipeline parallelism"),
     (["--no-such-flag"], "--no-such-flag", "unknown or unsupported flag"),
