@@ -158,9 +158,11 @@ def dump_stacks(records: dict[int, Record], directory: Path, wait: float = 5.0) 
                 out.flush()
                 subprocess.run([py_spy, "dump", "--pid", str(record.pid)], stdout=out, stderr=subprocess.STDOUT,
                                timeout=30, check=False)
+    # a stopped, exited or kernel-blocked rank cannot answer: wait only for the others
+    can_answer = {rank for rank, r in records.items() if process_state(r.pid) not in ("T", "t", "Z", "?")}
     deadline = time.monotonic() + wait
     answered: set[int] = set()
-    while time.monotonic() < deadline and len(answered) < len(records):
+    while time.monotonic() < deadline and not can_answer <= answered:
         for rank in records:
             if _size(stacks_path(directory, rank)) > before[rank]:
                 answered.add(rank)
