@@ -183,11 +183,12 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
         supervisor = Supervisor(rank_specs(plan, argv, base), grace=grace, signal_grace=signal_grace, label=label,
                                 tee_dir=tee_dir, watch_dir=watch_dir)
         code = supervisor.run()
-        if code == 0:
-            shutil.rmtree(watch_dir, ignore_errors=True)
-            return 0
         rank = supervisor.failure[0].rank if supervisor.failure else None
         failure = Failure(code, rank, supervisor.watchdog.last_iteration())
+        if supervisor.hang is None:  # only a hang's stacks are worth keeping
+            shutil.rmtree(watch_dir, ignore_errors=True)
+        if code == 0:
+            return 0
         if not policy.should_restart(failure, stopped_from_outside=bool(supervisor.received)):
             return code
         if plan.info.source == "none" and "MASTER_PORT" not in os.environ:  # ours: a fresh rendezvous port
