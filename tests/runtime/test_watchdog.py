@@ -72,6 +72,7 @@ def _hang_age(tmp_path: Path) -> float:
 def test_supervisor_names_the_sleeping_rank_outside_the_collective(tmp_path):
     result, _ = _launch(tmp_path, "sleep")
     age = _hang_age(tmp_path)
+    print(f"\nsupervisor: {age:.1f} s from the hang to the end of the job (step timeout 3 s)")
     assert result.returncode == HANG_EXIT, result.stderr
     assert age <= 3 + 15, f"{age:.1f} s from the hang to the end"
     assert "stuck rank: 1: not inside a collective while the other ranks wait in one" in result.stderr
@@ -99,18 +100,21 @@ def test_launch_with_restarts_gives_up_on_a_restart_loop(tmp_path):
 
 @pytest.mark.slow
 def test_rank_without_a_supervisor_watches_itself(tmp_path):
-    """One task per GPU (here: RANK set by hand, as a scheduler would): each rank's own watchdog ends it with 124."""
+    """One task per GPU (here: RANK set by hand, as a scheduler would): each rank's own watchdog ends it with 124.
+    Rank 0 (waiting in the collective, 3 s) fires before rank 1 (sleeping, 6 s), so neither sees the other's exit first."""
     from runtime_helpers import free_port
 
     port = str(free_port())
     procs = [subprocess.Popen([PY, HANG_PROBE, str(tmp_path), "sleep"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                            MASTER_PORT=port)) for r in range(2)]
+                                            MASTER_PORT=port, PROBE_STEP_TIMEOUT=str(3 * (r + 1))))
+             for r in range(2)]
     outputs = [p.communicate(timeout=120) for p in procs]
     age = _hang_age(tmp_path)
+    print(f"\nself-watching ranks: {age:.1f} s from the hang to the last exit (step timeouts 3 s and 6 s)")
     assert [p.returncode for p in procs] == [HANG_EXIT, HANG_EXIT], outputs
-    assert age <= 3 + 5, f"{age:.1f} s"
+    assert age <= 6 + 5, f"{age:.1f} s"
     assert "mds watchdog: HANG: rank 1" in outputs[1][1] and "hang_probe.py" in outputs[1][1]
     assert "all_reduce" in outputs[0][1]  # rank 0's stacks show where it waits
 
