@@ -19,8 +19,9 @@ from megatron_ds.runtime.progress import Progress
 from megatron_ds.runtime.watchdog import Timeouts
 
 out, how = Path(sys.argv[1]), sys.argv[2]
-step_timeout = float(os.environ.get("PROBE_STEP_TIMEOUT", "3"))
 rank = int(os.environ["RANK"])
+# PROBE_STAGGER: rank r gets (r + 1) x 3 s, so rank 0 (waiting in the collective) fires first, deterministically
+step_timeout = 3.0 * (rank + 1 if os.environ.get("PROBE_STAGGER") else 1)
 progress = Progress.start(rank, Timeouts(step=step_timeout, slow_phase=60))
 dist.init_process_group("gloo")
 value = torch.ones(1)

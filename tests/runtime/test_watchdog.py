@@ -108,7 +108,7 @@ def test_rank_without_a_supervisor_watches_itself(tmp_path):
     procs = [subprocess.Popen([PY, HANG_PROBE, str(tmp_path), "sleep"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                            MASTER_PORT=port, PROBE_STEP_TIMEOUT=str(3 * (r + 1))))
+                                            MASTER_PORT=port, PROBE_STAGGER="1"))
              for r in range(2)]
     outputs = [p.communicate(timeout=120) for p in procs]
     age = _hang_age(tmp_path)
@@ -122,14 +122,16 @@ def test_rank_without_a_supervisor_watches_itself(tmp_path):
 @pytest.mark.slow
 def test_srun_step_ends_when_a_rank_sleeps_inside_a_collective(slurm, tmp_path):
     """srun -n 2 (one task per rank, no supervisor of ours): the ranks' own watchdogs exit 124 and
-    --kill-on-bad-exit ends the step within the timeout (3 s here) plus a few seconds."""
+    --kill-on-bad-exit ends the step within the timeout (3 s here, for rank 0 waiting in the all_reduce; the
+    sleeping rank 1 has 6 s) plus a few seconds. srun exits with the largest task exit code: 143 for the task
+    Slurm terminated, so the 124 is in srun's task line."""
     start = time.monotonic()
     result = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", "--time=3", ENTRYPOINT, "launch", "--",
                              PY, HANG_PROBE, str(tmp_path), "sleep"],
-                            env=slurm.env(), capture_output=True, text=True, timeout=150)
+                            env=slurm.env(PROBE_STAGGER="1"), capture_output=True, text=True, timeout=150)
     age = _hang_age(tmp_path)
     print(f"\nsrun: {time.monotonic() - start:.1f} s in all, {age:.1f} s from the hang to the end of the step")
-    assert result.returncode == HANG_EXIT, result.stdout + result.stderr + slurm.logs()
+    assert result.returncode != 0, result.stdout + result.stderr + slurm.logs()
     assert age <= 3 + 10, f"{age:.1f} s"
-    assert "mds watchdog: HANG: rank" in result.stderr
-    assert "Exited with exit code 124" in result.stderr
+    assert "mds watchdog: HANG: rank 0" in result.stderr and "all_reduce" in result.stderr
+    assert "task 0: Exited with exit code 124" in result.stderr, result.stderr
