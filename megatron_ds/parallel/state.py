@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -131,11 +132,15 @@ def local_device_index() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
 
 
-def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None) -> ParallelState:
+def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None,
+                  timeout_minutes: float | None = None) -> ParallelState:
     """Init torch.distributed from env:// if needed, then build the TP/DP/PP groups.
 
     Every rank must call this (``new_group`` is collective), with the same tp and pp.
+    ``timeout_minutes`` (--distributed-timeout-minutes) bounds each collective of these groups
+    (None: torch's default).
     """
+    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     global _STATE
     if not dist.is_initialized():
         if backend is None:
@@ -150,14 +155,14 @@ def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None) -> Paral
             import torch
 
             torch.cuda.set_device(local_device_index())  # NCCL binds its communicator to it
-        dist.init_process_group(backend=backend, init_method="env://")
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
     dims = ParallelDims(dist.get_world_size(), tp, pp)
     rank = dist.get_rank()
     state = ParallelState(dims, rank)
     for attr, groups in (("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()),
                          ("pp_group", dims.pp_groups())):
         for ranks in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 setattr(state, attr, group)
     _STATE = state

@@ -9,17 +9,21 @@ Spawned ranks get RANK = node_rank * nproc + local_rank and WORLD_SIZE = nodes *
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_ds.runtime import profiles
 from megatron_ds.runtime.discovery import DiscoveryError, RankInfo, as_spawned, discover, rank_env
 from megatron_ds.runtime.profiles import Profile, ProfileError
-from megatron_ds.runtime.supervisor import RankSpec, supervise
+from megatron_ds.runtime.restarts import Failure, RestartPolicy
+from megatron_ds.runtime.supervisor import RankSpec, Supervisor
 
 USAGE_ERROR = 2
 
@@ -93,8 +97,6 @@ def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
     if info.source == "none" and env.get("SLURM_JOB_ID") and int(env.get("SLURM_JOB_NUM_NODES") or 1) > 1:
         _warn("inside a Slurm batch script but not in an srun step: only this node runs; start ranks with srun")
     if nproc > 1 and info.source == "none" and not env.get("MASTER_PORT"):
-        import dataclasses
-
         info = dataclasses.replace(info, master_port=_free_port())
     return Plan(info, nproc > 1, nproc, why, chosen, profile_why)
 
@@ -168,30 +170,47 @@ def enter_rank(plan: Plan, *, strict: bool = False) -> None:
 
 def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: float = 5.0,
                 signal_grace: float | None = None, label: bool = False,
-                tee_dir: str | None = None) -> int:
-    """Run `argv` as each local rank of the plan, supervised; returns the launcher's exit code."""
+                tee_dir: str | None = None, max_restarts: int = 0) -> int:
+    """Run `argv` as each local rank of the plan, supervised (hang watchdog included), restarted after a
+    failure up to `max_restarts` times; returns the launcher's exit code."""
     base = dict(os.environ)
     prepare_env(plan, base, strict=strict)
     print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
-    return supervise(rank_specs(plan, argv, base), grace=grace, signal_grace=signal_grace, label=label,
-                     tee_dir=tee_dir)
+    policy = RestartPolicy(max_restarts)
+    while True:
+        # progress records and stacks of this attempt; kept (and named in the log) when it fails
+        watch_dir = tempfile.mkdtemp(prefix="mds-watchdog-")
+        supervisor = Supervisor(rank_specs(plan, argv, base), grace=grace, signal_grace=signal_grace, label=label,
+                                tee_dir=tee_dir, watch_dir=watch_dir)
+        code = supervisor.run()
+        rank = supervisor.failure[0].rank if supervisor.failure else None
+        failure = Failure(code, rank, supervisor.watchdog.last_iteration())
+        if supervisor.hang is None:  # only a hang's stacks are worth keeping
+            shutil.rmtree(watch_dir, ignore_errors=True)
+        if code == 0:
+            return 0
+        if not policy.should_restart(failure, stopped_from_outside=bool(supervisor.received)):
+            return code
+        if plan.info.source == "none" and "MASTER_PORT" not in os.environ:  # ours: a fresh rendezvous port
+            plan = dataclasses.replace(plan, info=dataclasses.replace(plan.info, master_port=_free_port()))
 
 
 def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, profile: str | None = None,
-                signal_grace: float | None = None, plan: Plan | None = None) -> int | None:
+                signal_grace: float | None = None, plan: Plan | None = None, max_restarts: int = 0) -> int | None:
     """Called by `entrypoint train` after its config validated.
 
     Returns None when this process is a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT set in os.environ, profile applied, CPUs bound); otherwise spawns
     `entrypoint <child_argv>` per local rank, supervises them and returns the exit code
-    (2 when the launcher's variables or the profile are inconsistent). `entrypoint launch`'s
+    (2 when the launcher's variables or the profile are inconsistent; 124 when the ranks hung), running
+    them again up to `max_restarts` times after a failure. `entrypoint launch`'s
     --strict, --label, --tee and --grace go through spawn_ranks / enter_rank directly.
     """
     try:
         plan = plan or make_plan(nproc_per_node, profile)
         if plan.spawn:
             argv = [sys.executable, "-m", "entrypoint", *child_argv]
-            return spawn_ranks(plan, argv, signal_grace=signal_grace)
+            return spawn_ranks(plan, argv, signal_grace=signal_grace, max_restarts=max_restarts)
         preloaded = os.environ.get("LD_PRELOAD")
         enter_rank(plan)
         if os.environ.get("LD_PRELOAD") != preloaded:

@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Open MPI, MPICH, PMIx or Flux variables, applies the site profile, and either execs CMD "
                     "(one task per GPU) or spawns and supervises --nproc-per-node copies (one task per node).",
         epilog="examples:\n  entrypoint launch --nproc-per-node 2 -- python -c 'import os; print(os.environ[\"RANK\"])'\n"
-               "  srun -N2 --ntasks-per-node=1 entrypoint launch --label -- python train.py",
+               "  srun -N2 --ntasks-per-node=1 entrypoint launch --label -- python train.py\n\n"
+               "exit codes: the first failed rank's (killed by signal N: 128+N); 124 when the ranks hung (no progress\n"
+               "within the watchdog's allowance: stacks dumped, stuck rank named); 2 for inconsistent launcher variables",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_flags(parser)
     parser.add_argument("--strict", action="store_true",
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tee", default=None, metavar="DIR", help="also write each spawned rank's output to DIR/rankN.log")
     parser.add_argument("--grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="run the spawned ranks again up to N times after a failure or a hang (default 0)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     return parser
 
@@ -65,7 +69,7 @@ def main(argv: list[str]) -> int:
         plan = bootstrap.make_plan(args.nproc_per_node, args.profile)
         if plan.spawn:
             return bootstrap.spawn_ranks(plan, command, strict=args.strict, grace=args.grace, label=args.label,
-                                         tee_dir=args.tee)
+                                         tee_dir=args.tee, max_restarts=args.max_restarts)
         bootstrap.enter_rank(plan, strict=args.strict)
     except (DiscoveryError, ProfileError) as err:
         print(f"entrypoint launch: {err}", file=sys.stderr)

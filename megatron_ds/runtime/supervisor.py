@@ -9,6 +9,10 @@ A rank that is still not reaped `reap_wait` seconds (default 30) after its SIGKI
 uninterruptible sleep on a hung filesystem or driver, or one whose exit a tracer holds) is named
 in an error and left behind: the supervisor returns the exit code anyway (137 when no rank had
 failed), so the job ends rather than hangs.
+
+Hangs (watchdog.py): ranks that report progress are watched; when every live reporting rank is
+past its allowance, every rank's stacks are dumped, the stuck rank(s) named, the ranks stopped as
+above, and the exit code is HANG_EXIT (124).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_ds.runtime.watchdog import ENV_DIR, HANG_EXIT, Verdict, Watchdog
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOPPING = (signal.SIGTERM, signal.SIGINT)
@@ -94,8 +100,12 @@ class _Output:
 
 class Supervisor:
     def __init__(self, specs: list[RankSpec], *, grace: float = 5.0, signal_grace: float | None = None,
-                 label: bool = False, tee_dir: str | None = None, reap_wait: float = REAP_WAIT):
+                 label: bool = False, tee_dir: str | None = None, reap_wait: float = REAP_WAIT,
+                 watch_dir: str | None = None):
         self.specs, self.grace, self.label, self.tee_dir = specs, grace, label, tee_dir
+        # ranks report progress into watch_dir (None: no hang watchdog)
+        self.watchdog = Watchdog(Path(watch_dir), [s.rank for s in specs]) if watch_dir else None
+        self.hang: Verdict | None = None
         self.reap_wait = reap_wait
         # after a TERM/INT from outside, ranks may need longer than `grace` (e.g. to save a checkpoint)
         self.signal_grace = grace if signal_grace is None else signal_grace
@@ -128,8 +138,9 @@ class Supervisor:
         if self.tee_dir:
             Path(self.tee_dir).mkdir(parents=True, exist_ok=True)
         for spec in self.specs:
+            env = spec.env if self.watchdog is None else {**spec.env, ENV_DIR: str(self.watchdog.directory)}
             self.procs.append(subprocess.Popen(
-                spec.argv, env=spec.env, start_new_session=True, preexec_fn=_child_setup(spec.cpus),
+                spec.argv, env=env, start_new_session=True, preexec_fn=_child_setup(spec.cpus),
                 stdout=subprocess.PIPE if piped else None, stderr=subprocess.STDOUT if piped else None))
         if piped:  # threads only after every fork: preexec_fn and threads do not mix
             self.outputs = [_Output(s, p.stdout, self.label, self.tee_dir) for s, p in zip(self.specs, self.procs)]
@@ -175,6 +186,11 @@ class Supervisor:
                         self.failure = (spec, exit_code(code))
                         self._report()
                         self._close()
+                if self.watchdog is not None and self.failure is None and self.stop_deadline is None:
+                    live = {s.rank for s, c in zip(self.specs, codes) if c is None}
+                    overdue = self.watchdog.overdue(live)
+                    if overdue:
+                        self._on_hang(overdue)
                 if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
                     self._close()
                 if all(c is not None for c in codes):
@@ -198,6 +214,14 @@ class Supervisor:
                 signal.signal(signum, handler)
         return self.failure[1] if self.failure else 0
 
+    def _on_hang(self, overdue) -> None:
+        """No rank made progress in time: dump stacks, name the stuck rank(s), stop everything, exit HANG_EXIT."""
+        self.hang = self.watchdog.investigate(overdue)
+        _log(self.hang.describe("--watchdog-timeout") + f"\nstopping the job: exit code {HANG_EXIT}")
+        blamed = sorted(self.hang.stuck) or [overdue[0].rank]
+        self.failure = (next(s for s in self.specs if s.rank == blamed[0]), HANG_EXIT)
+        self._close()
+
     def _report(self) -> None:
         spec, code = self.failure
         how = f"killed by signal {code - 128} (exit {code})" if code > 128 else f"exited with code {code}"
@@ -214,7 +238,7 @@ class Supervisor:
 
 
 def supervise(specs: list[RankSpec], *, grace: float = 5.0, signal_grace: float | None = None, label: bool = False,
-              tee_dir: str | None = None, reap_wait: float = REAP_WAIT) -> int:
-    """Run every rank to the end (or to the first failure) and return the launcher's exit code."""
+              tee_dir: str | None = None, reap_wait: float = REAP_WAIT, watch_dir: str | None = None) -> int:
+    """Run every rank to the end (or to the first failure or hang) and return the launcher's exit code."""
     return Supervisor(specs, grace=grace, signal_grace=signal_grace, label=label, tee_dir=tee_dir,
-                      reap_wait=reap_wait).run()
+                      reap_wait=reap_wait, watch_dir=watch_dir).run()

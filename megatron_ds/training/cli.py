@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     # With --exit-signal-handler a TERM means "finish the step and save": give the ranks time for it.
     signal_grace = float(os.environ.get("MDS_SIGNAL_GRACE", "300")) if args.exit_signal_handler else None
     code = become_rank(["train", *argv], nproc_per_node=args.nproc_per_node, profile=args.profile, plan=plan,
-                       signal_grace=signal_grace)
+                       signal_grace=signal_grace, max_restarts=args.max_restarts)
     if code is not None:
         return code  # we supervised the local ranks; theirs is the exit code
     import faulthandler

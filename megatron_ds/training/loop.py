@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.checkpoint import Checkpointer, StopAgreement
+from megatron_ds.runtime.progress import Progress
+from megatron_ds.runtime.watchdog import Timeouts
 from megatron_ds.training.arguments import pad_vocab_size
 from megatron_ds.training.data import MicroBatches, build_datasets
 from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops
@@ -173,8 +175,9 @@ class StopConditions:
 class Trainer:
     """One training run. `run()` returns the process exit code."""
 
-    def __init__(self, args):
+    def __init__(self, args, progress: Progress | None = None):
         self.args = args
+        self.progress = progress or Progress.null()  # what the hang watchdog sees (runtime/progress.py)
 
     def setup(self) -> None:
         from megatron_ds.data.tokenizers import build_tokenizer
@@ -188,7 +191,8 @@ class Trainer:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
             # One process: an in-memory store, so no TCP port is needed (nor can collide with another job).
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        self.parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend)
+        self.parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend,
+                                     timeout_minutes=args.distributed_timeout_minutes)
         # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
         torch.manual_seed(args.seed + 100 * self.parallel.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
@@ -325,21 +329,24 @@ class Trainer:
                     lr = self._lr()
                     losses.add(self.train_step(st.consumed_train_samples))
                     st.advance(args.global_batch_size)
+                    self.progress.step(st.iteration)
                     if self.metrics.due(st.iteration) or stop.finished(st):
                         self._log_train(st, lr, losses, timer)
                     if self.evaluator.due(st.iteration):
-                        with timer.paused():
+                        with timer.paused(), self.progress.phase("evaluating", st.iteration):
                             self.evaluator.run(st)
                     if self.checkpointer.due(st.iteration):
-                        with timer.paused():
+                        with timer.paused(), self.progress.phase("saving", st.iteration):
                             self.checkpointer.save(st)
                     if (reason := stop.early_stop(st)) is not None:
                         break
                 if losses.steps:  # stopped between two log lines: report the steps since the last one
                     self._log_train(st, lr, losses, timer)
                 if reason is None and self.evaluator.due_at_end(stop.train_iters):
-                    self.evaluator.run(st)
-                self.checkpointer.save(st)
+                    with self.progress.phase("evaluating", st.iteration):
+                        self.evaluator.run(st)
+                with self.progress.phase("saving", st.iteration):
+                    self.checkpointer.save(st)
                 if reason is not None:
                     saved = "" if self.checkpointer.enabled else " (no --save given: nothing was saved)"
                     _log(f"mds train: stopping: {reason}{saved}; last iteration {st.iteration}")
@@ -354,8 +361,11 @@ def train(args) -> int:
     """Train in this rank (the CLI has validated `args` and made this process a rank)."""
     from megatron_ds.parallel.state import destroy
 
+    progress = Progress.start(int(os.environ.get("RANK", "0")),
+                              Timeouts(args.watchdog_timeout, args.watchdog_slow_phase_timeout))
     try:
-        return Trainer(args).run()
+        return Trainer(args, progress).run()
     finally:
+        progress.close()
         destroy()
         sys.stdout.flush()

@@ -235,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float,
                    help="peak dense TFLOP/s per device for MFU (env MDS_PEAK_TFLOPS; default by device)")
 
+    g = p.add_argument_group("hangs and restarts", "a rank with no progress within its allowance is a hang: "
+                             "stacks dumped, the stuck rank named, exit 124 (README: Launching)")
+    g.add_argument("--watchdog-timeout", type=float, metavar="SECONDS",
+                   help="seconds a training step may go without progress (default: adaptive, max(180, 20 x the "
+                        "median recent step time); 0 turns the watchdog off)")
+    g.add_argument("--watchdog-slow-phase-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="allowance for start-up (up to the 4th step: compilation), evaluation and checkpoint saving "
+                        "(default 1800)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the node's ranks up to N times after a failure or a hang, resuming from --load's "
+                        "latest checkpoint; the same failure at the same iteration twice in a row stops (default 0)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MIN",
+                   help="the process groups' own timeout for a collective (init_process_group), as Megatron (default 10)")
+
     g = p.add_argument_group("accepted, no effect in mds")
     for flag, why in NO_OP_SWITCHES.items():
         g.add_argument(flag, action=_NoOp, nargs=0, why=why, help=f"no-op: {why}")

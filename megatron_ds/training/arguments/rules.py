@@ -43,6 +43,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _data_files(args)
     _tokenizer_inputs(args)
     _environment(args)
+    _hangs_and_restarts(args)
     args.world_size, args.data_parallel_size = world_size, dims.dp
 
 
@@ -340,6 +341,21 @@ def _environment(args: argparse.Namespace) -> None:
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir", "needs the tensorboard package (pip install tensorboard, or "
                           "megatron_ds[tensorboard])")
+
+
+def _hangs_and_restarts(args: argparse.Namespace) -> None:
+    """The watchdog's allowances are positive (0 turns it off); restarts resume only through --load."""
+    if args.watchdog_timeout is not None and args.watchdog_timeout < 0:
+        raise ConfigError("--watchdog-timeout", f"must be >= 0 seconds (0 turns the watchdog off), got {args.watchdog_timeout:g}")
+    if args.watchdog_slow_phase_timeout <= 0:
+        raise ConfigError("--watchdog-slow-phase-timeout", f"must be positive, got {args.watchdog_slow_phase_timeout:g}")
+    if args.distributed_timeout_minutes <= 0:
+        raise ConfigError("--distributed-timeout-minutes", f"must be positive, got {args.distributed_timeout_minutes:g}")
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    if args.max_restarts and args.save and not args.load:
+        raise ConfigError("--max-restarts", "with --save but no --load a restart would begin again at iteration 0 "
+                          "and overwrite the checkpoints: add --load (usually the same directory as --save)")
 
 
 def pad_vocab_size(orig: int, divisible_by: int, tp: int) -> int:
