@@ -117,3 +117,31 @@ def test_smallest_scripts_train_end_to_end_on_cpu(name, tmp_path, demo_corpus, s
     assert all(math.isfinite(v) for v in losses.values())
     assert any("val_loss" in r for r in records)
     assert (tmp_path / "ckpt" / "latest").exists()  # the scripts' --save, at their --save-interval
+
+
+def test_sample_based_schedule_resumes_exactly(tmp_path, demo_corpus):
+    """--train-samples with a sample warmup and a token decay: stopped at iteration 3 and resumed, the losses and
+    rates of iterations 4-6 are the uninterrupted run's, bit for bit (CPU, fp32)."""
+    def train(name: str, *extra: str) -> dict[int, tuple[float, float]]:
+        cwd = tmp_path / name
+        cwd.mkdir(exist_ok=True)
+        argv = [ENTRYPOINT, "train", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+                "--train-samples", "26", "--lr-warmup-samples", "8", "--lr-decay-tokens", "1280", "--lr", "1e-3",
+                "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--seed", "7", "--data-path", demo_corpus.prefix,
+                "--vocab-file", demo_corpus.vocab_file, "--merge-file", demo_corpus.merge_file, "--split", "98,2,0",
+                "--log-interval", "1", "--eval-iters", "0", "--save", "ckpt", "--metrics-file", "m.jsonl", *extra]
+        environ = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        result = subprocess.run(argv, cwd=cwd, env=environ, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return {r["iteration"]: (r["lm_loss"], r["lr"]) for r in map(json.loads, (cwd / "m.jsonl").read_text().splitlines())
+                if "lm_loss" in r}
+
+    whole = train("whole")
+    assert sorted(whole) == [1, 2, 3, 4, 5, 6]  # 26 samples // 4 = 6 iterations
+    assert [whole[i][1] for i in (1, 2, 3)] == [0.0, pytest.approx(5e-4), pytest.approx(1e-3)]
+    first = train("resumed", "--exit-interval", "3")
+    assert sorted(first) == [1, 2, 3]
+    os.rename(tmp_path / "resumed" / "m.jsonl", tmp_path / "resumed" / "first.jsonl")
+    second = train("resumed", "--load", "ckpt")
+    assert sorted(second) == [4, 5, 6] and all(second[i] == whole[i] for i in (4, 5, 6))
