@@ -79,6 +79,16 @@ def check_shape(*, num_layers: int, hidden_size: int, num_attention_heads: int, 
     _need(not torch_compile or compile_problem(tp) is None, "--torch-compile", f"--torch-compile {compile_problem(tp)}")
 
 
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_key_value_heads",
+                "ffn_hidden_size", "max_position_embeddings", "swiglu", "position_embedding_type", "normalization",
+                "rotary_percent", "sequence_parallel", "torch_compile")
+
+
+def shape_of(values) -> dict:
+    """check_shape's arguments from a GPTConfig or from parsed flags (their names are the same)."""
+    return {name: getattr(values, name) for name in SHAPE_FIELDS}
+
+
 def rotary_dim(head_dim: int, rotary_percent: float) -> int:
     """Dimensions of each head that rotary embeddings rotate (Megatron: int(head dim x --rotary-percent))."""
     return int(head_dim * rotary_percent)
@@ -138,13 +148,7 @@ class GPTConfig:
 
     def validate(self, tp: int = 1) -> None:
         """Raise ModelConfigError naming the flag when this shape cannot run at tensor-parallel size tp."""
-        check_shape(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                    num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
-                    num_key_value_heads=self.num_key_value_heads, ffn_hidden_size=self.ffn_hidden_size,
-                    max_position_embeddings=self.max_position_embeddings, swiglu=self.swiglu,
-                    position_embedding_type=self.position_embedding_type, normalization=self.normalization,
-                    rotary_percent=self.rotary_percent, sequence_parallel=self.sequence_parallel,
-                    torch_compile=self.torch_compile, tp=tp)
+        check_shape(**shape_of(self), tp=tp)
         _need(self.recompute_granularity in (None, "full", "selective"), "--recompute-granularity",
               f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}")
         _need(self.recompute_granularity != "full" or self.recompute_method in ("uniform", "block"),

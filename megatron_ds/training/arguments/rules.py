@@ -122,17 +122,11 @@ def _layout(args: argparse.Namespace, world_size: int) -> ParallelDims:
 def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
     """The model config's shape rules at this TP size (the vocabulary is checked once the tokenizer exists),
     and whole layers on every pipeline stage."""
-    from megatron_ds.model.config import ModelConfigError, check_shape
+    from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
     from megatron_ds.parallel.state import ParallelConfigError
 
     try:
-        check_shape(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                    num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                    num_key_value_heads=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
-                    max_position_embeddings=args.max_position_embeddings, swiglu=args.swiglu,
-                    position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-                    rotary_percent=args.rotary_percent, sequence_parallel=args.sequence_parallel,
-                    torch_compile=args.torch_compile, tp=dims.tp)
+        check_shape(**shape_of(args), tp=dims.tp)
         dims.layers_per_stage(args.num_layers)
     except (ModelConfigError, ParallelConfigError) as err:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
