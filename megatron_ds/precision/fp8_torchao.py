@@ -49,7 +49,7 @@ class TorchaoEngine(FP8Engine):
 
     def describe(self) -> str:
         grads = "e4m3" if self.options.recipe == "rowwise" or self.options.format == "e4m3" else "e5m2"
-        return f"torchao float8 {self.options.recipe} dynamic scaling (e4m3 forward, {grads} gradients)"
+        return f"torchao (float8 {self.options.recipe} dynamic scaling, e4m3 forward / {grads} gradients)"
 
     def notes(self, given: set[str]) -> list[str]:
         ignored = [flag for flag in DELAYED_SCALING_FLAGS if flag in given]
