@@ -150,3 +150,11 @@ def test_precision_wrap_model_is_the_engines_conversion():
     model = precision.wrap_model(model)
     assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == chosen and len(chosen) == 8
     assert model.layers[1].mlp.fc2.local.config.cast_config_grad_output.target_dtype == torch.float8_e4m3fn
+
+
+def test_doctor_runs_one_float8_linear_forward_and_backward():
+    import torchao
+
+    from megatron_ds.runtime.doctor import _torchao
+
+    assert _torchao(torchao) == "Float8Linear forward and backward ok on the CPU"
