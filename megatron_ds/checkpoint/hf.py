@@ -81,7 +81,8 @@ def _gpt2(sd: dict, args: dict, vocab: int, num_layers: int) -> tuple[dict, dict
             q + "attn.c_proj.weight": sd[p + "attention.proj.local.weight"].t(), q + "attn.c_proj.bias": b(
                 p + "attention.proj.bias", h),
             q + "ln_2.weight": sd[p + "post_attention_norm.weight"], q + "ln_2.bias": sd[p + "post_attention_norm.bias"],
-            q + "mlp.c_fc.weight": sd[p + "mlp.fc1.local.weight"].t(), q + "mlp.c_fc.bias": b(p + "mlp.fc1.local.bias", ffn),
+            q + "mlp.c_fc.weight": sd[p + "mlp.fc1.local.weight"].t(),
+            q + "mlp.c_fc.bias": b(p + "mlp.fc1.local.bias", ffn),
             q + "mlp.c_proj.weight": sd[p + "mlp.fc2.local.weight"].t(), q + "mlp.c_proj.bias": b(p + "mlp.fc2.bias", h),
         })
     out["transformer.ln_f.weight"] = sd["final_norm.norm.weight"]

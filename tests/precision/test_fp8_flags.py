@@ -38,9 +38,9 @@ def test_format_flags_and_their_older_switches():
         return parse_args(["--num-layers", "1", *flags], env={})
 
     assert parsed().fp8_format is None and engine_from_args(parsed()) is None
-    for flags, fmt, flag in ((["--fp8-format", "e4m3"], "e4m3", "--fp8-format"), (["--fp8-hybrid"], "hybrid", "--fp8-hybrid"),
-                             (["--fp8-e4m3"], "e4m3", "--fp8-e4m3"), (["--fp8-hybrid", "--fp8-format", "hybrid"], "hybrid",
-                                                                      "--fp8-format")):
+    for flags, fmt, flag in ((["--fp8-format", "e4m3"], "e4m3", "--fp8-format"),
+                             (["--fp8-hybrid"], "hybrid", "--fp8-hybrid"), (["--fp8-e4m3"], "e4m3", "--fp8-e4m3"),
+                             (["--fp8-hybrid", "--fp8-format", "hybrid"], "hybrid", "--fp8-format")):
         args = parsed(*flags)
         assert (args.fp8_format, args.fp8_format_flag) == (fmt, flag)
     with pytest.raises(ConfigError, match="--fp8-hybrid: hybrid conflicts with --fp8-e4m3"):
