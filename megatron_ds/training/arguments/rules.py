@@ -391,6 +391,9 @@ def _fp8_environment(args: argparse.Namespace) -> None:
     why = engine.missing()
     if why is not None:
         raise ConfigError(flag, f"FP8 engine {name}: {why}")
+    if name == "te" and args.torch_compile:
+        raise ConfigError("--torch-compile", "is not supported with Transformer Engine FP8 in mds (its fp8_autocast "
+                          "breaks the compiled layer graph); drop --torch-compile or use --fp8-engine torchao")
     refusal = fp8_gemm_refusal(device_capability())
     if refusal is not None:
         if engine.needs_fp8_gemm or "no GPU" in refusal:
