@@ -166,3 +166,10 @@ def test_cli_exits_2_before_any_process_group(files, capsys):
     assert main(base(files, "--bf16", "--fp8-hybrid")) == 2
     assert "error: --fp8-hybrid: FP8 engine torchao: no GPU is visible" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+def test_delayed_scaling_values_are_checked(files):
+    assert refused(files, ["--bf16", "--fp8-hybrid", "--fp8-margin", "-1"]).flag == "--fp8-margin"
+    err = refused(files, ["--bf16", "--fp8-hybrid", "--fp8-amax-history-len", "0"])
+    assert err.flag == "--fp8-amax-history-len" and "must be positive (got 0)" in str(err)
+    assert refused(files, ["--bf16", "--fp8-hybrid", "--fp8-interval", "0"]).flag == "--fp8-interval"

@@ -121,10 +121,11 @@ def _precision(args: argparse.Namespace) -> None:
     if not (args.bf16 or args.fp16):
         raise ConfigError(fp8_flag, "FP8 runs beside --bf16 or --fp16 (their parameters, master weights and "
                           "non-GEMM math); with fp32 parameters there is nothing to run beside: add --bf16")
-    if args.fp8_margin < 0 or args.fp8_interval <= 0 or args.fp8_amax_history_len <= 0:
-        bad = next(f for f, ok in (("--fp8-margin", args.fp8_margin >= 0), ("--fp8-interval", args.fp8_interval > 0),
-                                   ("--fp8-amax-history-len", args.fp8_amax_history_len > 0)) if not ok)
-        raise ConfigError(bad, "must be positive (--fp8-margin: >= 0)")
+    if args.fp8_margin < 0:
+        raise ConfigError("--fp8-margin", f"must be >= 0 (got {args.fp8_margin})")
+    for flag in ("--fp8-interval", "--fp8-amax-history-len"):
+        if getattr(args, _dest(flag)) <= 0:
+            raise ConfigError(flag, f"must be positive (got {getattr(args, _dest(flag))})")
 
 
 def _without_flag(flag: str | None, message: str) -> str:
@@ -368,7 +369,7 @@ def _tokenizer_inputs(args: argparse.Namespace) -> None:
 
 
 def _fp8_environment(args: argparse.Namespace) -> None:
-    """The FP8 engine's library is importable (and mds drives it), and the GPU has FP8 matrix multiplies
+    """The FP8 engine's library is importable (and mds drives it: not MS-AMP yet), and the GPU has FP8 matrix multiplies
     (MS-AMP runs without them, in higher precision, as it documents: a start-up note says so)."""
     from megatron_ds.precision.fp8 import device_capability, engine_class, engine_name, fp8_gemm_refusal, \
         fp8_requested, options_from_args
@@ -394,9 +395,10 @@ def _fp8_environment(args: argparse.Namespace) -> None:
     if name == "te" and args.torch_compile:
         raise ConfigError("--torch-compile", "is not supported with Transformer Engine FP8 in mds (its fp8_autocast "
                           "breaks the compiled layer graph); drop --torch-compile or use --fp8-engine torchao")
-    refusal = fp8_gemm_refusal(device_capability())
+    capability = device_capability()
+    refusal = fp8_gemm_refusal(capability)
     if refusal is not None:
-        if engine.needs_fp8_gemm or "no GPU" in refusal:
+        if engine.needs_fp8_gemm or capability is None:
             raise ConfigError(flag, f"FP8 engine {name}: {refusal}")
         args.notices.append(f"note: {flag}: {refusal}; MS-AMP keeps FP8 weights and optimizer state and multiplies "
                             "in higher precision there, as it documents")
