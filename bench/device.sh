@@ -154,6 +154,26 @@ stage_gputests() {  # pytest -m gpu: layouts reproduce the single-GPU bf16 curve
   MDS_GPU_REPORT="$LOGS/gpu_tests.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider
 }
 
+stage_fp8() {  # FP8 (torchao float8, tensorwise) vs bf16 on one GPU, each pair in this one call (~8 min):
+  # GPT-1.3B and GPT-2.7B speed (--torch-compile), a 300-step loss comparison on real text, the plain-PyTorch
+  # reference's float8 speed-up. Needs torchao: carry .whl/ with its wheel (installed above) and, for the
+  # reference, .whl/reference_gpt.py (a copy of ../shared/bench/reference_gpt.py).
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 24 --warmup-steps 10"
+  $PYTHON -c "import torch, torchao.float8; print('torch', torch.__version__, 'torchao', torchao.__version__, \
+    'capability', torch.cuda.get_device_capability())" || { echo "torchao not importable: carry .whl/"; return 1; }
+  t 160 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_fp8 -- $GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile
+  t 140 $F --loss --steps 300 --warmup-steps 10 --demo-corpus --name gpt350m_s1024_mbs16_fp8_loss300 -- \
+    --preset GPT350M --bf16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 16 --zero-stage 1 \
+    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 30 --hidden-dropout 0 --attention-dropout 0 \
+    --log-interval 10 --seed 1234
+  t 180 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_fp8 -- --preset GPT2_7B --bf16 --micro-batch-size 8 \
+    --zero-stage 1 --torch-compile
+  if [ -f .whl/reference_gpt.py ]; then  # the plain-PyTorch yardstick, GPT-1.3B shape, same machine and call
+    OUT="$LOGS" t 100 $PYTHON .whl/reference_gpt.py --which compile,compile_fp8 --mbs 16 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_fp8.json" 2>/dev/null
+  fi
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null

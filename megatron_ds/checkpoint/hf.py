@@ -71,24 +71,25 @@ def _gpt2(sd: dict, args: dict, vocab: int, num_layers: int) -> tuple[dict, dict
 
     wte = sd["embedding.word_embeddings.weight"][:vocab]
     out = {"transformer.wte.weight": wte, "transformer.wpe.weight": sd["embedding.position_embeddings"]}
-    ffn = sd["layers.0.mlp.fc2.weight"].shape[1]
+    ffn = sd["layers.0.mlp.fc2.local.weight"].shape[1]
     for i in range(num_layers):
         p, q = f"layers.{i}.", f"transformer.h.{i}."
         out.update({
             q + "ln_1.weight": sd[p + "input_norm.weight"], q + "ln_1.bias": sd[p + "input_norm.bias"],
-            q + "attn.c_attn.weight": sd[p + "attention.qkv.weight"].t(), q + "attn.c_attn.bias": b(
-                p + "attention.qkv.bias", 3 * h),
-            q + "attn.c_proj.weight": sd[p + "attention.proj.weight"].t(), q + "attn.c_proj.bias": b(
+            q + "attn.c_attn.weight": sd[p + "attention.qkv.local.weight"].t(), q + "attn.c_attn.bias": b(
+                p + "attention.qkv.local.bias", 3 * h),
+            q + "attn.c_proj.weight": sd[p + "attention.proj.local.weight"].t(), q + "attn.c_proj.bias": b(
                 p + "attention.proj.bias", h),
             q + "ln_2.weight": sd[p + "post_attention_norm.weight"], q + "ln_2.bias": sd[p + "post_attention_norm.bias"],
-            q + "mlp.c_fc.weight": sd[p + "mlp.fc1.weight"].t(), q + "mlp.c_fc.bias": b(p + "mlp.fc1.bias", ffn),
-            q + "mlp.c_proj.weight": sd[p + "mlp.fc2.weight"].t(), q + "mlp.c_proj.bias": b(p + "mlp.fc2.bias", h),
+            q + "mlp.c_fc.weight": sd[p + "mlp.fc1.local.weight"].t(),
+            q + "mlp.c_fc.bias": b(p + "mlp.fc1.local.bias", ffn),
+            q + "mlp.c_proj.weight": sd[p + "mlp.fc2.local.weight"].t(), q + "mlp.c_proj.bias": b(p + "mlp.fc2.bias", h),
         })
     out["transformer.ln_f.weight"] = sd["final_norm.norm.weight"]
     out["transformer.ln_f.bias"] = sd["final_norm.norm.bias"]
     tied = not args.get("untie_embeddings_and_output_weights")
     if not tied:
-        out["lm_head.weight"] = sd["output_head.linear.weight"][:vocab]
+        out["lm_head.weight"] = sd["output_head.linear.local.weight"][:vocab]
     config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
         "n_positions": out["transformer.wpe.weight"].shape[0], "n_embd": h, "n_layer": num_layers,
@@ -102,34 +103,34 @@ def _gpt2(sd: dict, args: dict, vocab: int, num_layers: int) -> tuple[dict, dict
 def _llama(sd: dict, args: dict, vocab: int, num_layers: int) -> tuple[dict, dict]:
     h, heads = args["hidden_size"], args["num_attention_heads"]
     d = h // heads
-    qkv_rows = sd["layers.0.attention.qkv.weight"].shape[0]
+    qkv_rows = sd["layers.0.attention.qkv.local.weight"].shape[0]
     kv_heads = (qkv_rows - heads * d) // (2 * d)
     bias = not args.get("disable_bias_linear")
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:vocab]}
-    ffn = sd["layers.0.mlp.fc2.weight"].shape[1]
+    ffn = sd["layers.0.mlp.fc2.local.weight"].shape[1]
     for i in range(num_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
         sizes = [heads * d, kv_heads * d, kv_heads * d]
-        for part, tensor in zip(("q_proj", "k_proj", "v_proj"), sd[p + "attention.qkv.weight"].split(sizes)):
+        for part, tensor in zip(("q_proj", "k_proj", "v_proj"), sd[p + "attention.qkv.local.weight"].split(sizes)):
             out[f"{q}self_attn.{part}.weight"] = tensor
-        gate, up = sd[p + "mlp.fc1.weight"].split([ffn, ffn])
+        gate, up = sd[p + "mlp.fc1.local.weight"].split([ffn, ffn])
         out.update({
             q + "input_layernorm.weight": sd[p + "input_norm.weight"],
-            q + "self_attn.o_proj.weight": sd[p + "attention.proj.weight"],
+            q + "self_attn.o_proj.weight": sd[p + "attention.proj.local.weight"],
             q + "post_attention_layernorm.weight": sd[p + "post_attention_norm.weight"],
             q + "mlp.gate_proj.weight": gate, q + "mlp.up_proj.weight": up,
-            q + "mlp.down_proj.weight": sd[p + "mlp.fc2.weight"],
+            q + "mlp.down_proj.weight": sd[p + "mlp.fc2.local.weight"],
         })
         if bias:
-            for part, tensor in zip(("q_proj", "k_proj", "v_proj"), sd[p + "attention.qkv.bias"].split(sizes)):
+            for part, tensor in zip(("q_proj", "k_proj", "v_proj"), sd[p + "attention.qkv.local.bias"].split(sizes)):
                 out[f"{q}self_attn.{part}.bias"] = tensor
-            gate_b, up_b = sd[p + "mlp.fc1.bias"].split([ffn, ffn])
+            gate_b, up_b = sd[p + "mlp.fc1.local.bias"].split([ffn, ffn])
             out.update({q + "self_attn.o_proj.bias": sd[p + "attention.proj.bias"], q + "mlp.gate_proj.bias": gate_b,
                         q + "mlp.up_proj.bias": up_b, q + "mlp.down_proj.bias": sd[p + "mlp.fc2.bias"]})
     out["model.norm.weight"] = sd["final_norm.norm.weight"]
     tied = not args.get("untie_embeddings_and_output_weights")
     if not tied:
-        out["lm_head.weight"] = sd["output_head.linear.weight"][:vocab]
+        out["lm_head.weight"] = sd["output_head.linear.local.weight"][:vocab]
     rope_theta = float(args.get("rotary_base") or 10000.0)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": h,

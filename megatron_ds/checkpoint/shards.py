@@ -1,6 +1,8 @@
 """Read a checkpoint's model weights straight from DeepSpeed's files and merge the TP/PP shards.
 
-The result is the full (TP=1, PP=1) state dict in GPTModel's names, e.g. ``layers.0.attention.qkv.weight``.
+The result is the full (TP=1, PP=1) state dict in GPTModel's names, e.g. ``layers.0.attention.qkv.local.weight``
+(checkpoints written before the parallel linears held their GEMM as a ``local`` child, with
+``layers.0.attention.qkv.weight``, are read under the current names).
 No process group, no DeepSpeed engine: each file is ``torch.load``-ed on the CPU.
 
 Files: PP=1 ``mp_rank_{tp:02d}_model_states.pt`` (``["module"]`` is GPTModel's state dict of that TP
@@ -24,6 +26,18 @@ import torch
 from megatron_ds.checkpoint.metadata import CheckpointError
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# Older names of the parallel linears' GEMM parameters: column-parallel weight and bias, row-parallel weight
+# (a row-parallel bias stays on the layer: it is added after the TP reduction).
+_LEGACY = re.compile(r"^(.*(?:attention\.qkv|mlp\.fc1|output_head\.linear)\.(?:weight|bias)"
+                     r"|.*(?:attention\.proj|mlp\.fc2)\.weight)$")
+
+
+def current_name(name: str) -> str:
+    """A parameter's name in today's GPTModel: ``...qkv.weight`` (older checkpoints) -> ``...qkv.local.weight``."""
+    if not _LEGACY.match(name):
+        return name
+    head, _, leaf = name.rpartition(".")
+    return f"{head}.local.{leaf}"
 
 
 def _load(path: str) -> dict:
@@ -38,7 +52,8 @@ def _rank_state_dicts(directory: str, tp: int, pp: int, num_layers: int) -> list
         raise CheckpointError(f"{directory} is a ZeRO-3 checkpoint (weights partitioned across data-parallel ranks); "
                               "export supports ZeRO stages 0-2")
     if pp == 1:
-        return [_load(os.path.join(directory, f"mp_rank_{t:02d}_model_states.pt"))["module"] for t in range(tp)]
+        return [{current_name(k): v for k, v in _load(os.path.join(directory, f"mp_rank_{t:02d}_model_states.pt"))
+                 ["module"].items()} for t in range(tp)]
     prefixes = {0: "embedding.", num_layers + 1: "final_norm.", num_layers + 2: "output_head."}
     per_rank = []
     for t in range(tp):
@@ -48,7 +63,7 @@ def _rank_state_dicts(directory: str, tp: int, pp: int, num_layers: int) -> list
             if idx == num_layers + 2 and not os.path.isfile(path):
                 continue  # tied head: the embedding's weight
             prefix = prefixes.get(idx, f"layers.{idx - 1}.")
-            merged.update({prefix + k: v for k, v in _load(path).items()})
+            merged.update({current_name(prefix + k): v for k, v in _load(path).items()})
         per_rank.append(merged)
     return per_rank
 
@@ -57,13 +72,13 @@ def _tp_split(name: str, q_size: int, kv_size: int, ffn: int, swiglu: bool) -> t
     """(dim, full sizes of the fused parts) for a TP-split weight; None for a replicated one."""
     match = _LAYER.match(name)
     local = match.group(2) if match else name
-    if local in ("attention.qkv.weight", "attention.qkv.bias"):
+    if local in ("attention.qkv.local.weight", "attention.qkv.local.bias"):
         return 0, [q_size, kv_size, kv_size]
-    if local in ("mlp.fc1.weight", "mlp.fc1.bias"):
+    if local in ("mlp.fc1.local.weight", "mlp.fc1.local.bias"):
         return 0, [ffn, ffn] if swiglu else [ffn]
-    if local in ("attention.proj.weight", "mlp.fc2.weight"):
+    if local in ("attention.proj.local.weight", "mlp.fc2.local.weight"):
         return 1, []
-    if name in ("embedding.word_embeddings.weight", "output_head.linear.weight"):
+    if name in ("embedding.word_embeddings.weight", "output_head.linear.local.weight"):
         return 0, []
     return None
 
@@ -84,11 +99,11 @@ def merged_state_dict(directory: str, metadata: dict) -> dict[str, torch.Tensor]
     heads, hidden = args["num_attention_heads"], args["hidden_size"]
     head_dim = hidden // heads
     first = ranks[0]
-    qkv_rows = first["layers.0.attention.qkv.weight"].shape[0] * tp
+    qkv_rows = first["layers.0.attention.qkv.local.weight"].shape[0] * tp
     q_size = heads * head_dim
     kv_size = (qkv_rows - q_size) // 2
     swiglu = bool(args.get("swiglu"))
-    fc1_rows = first["layers.0.mlp.fc1.weight"].shape[0] * tp
+    fc1_rows = first["layers.0.mlp.fc1.local.weight"].shape[0] * tp
     ffn = fc1_rows // 2 if swiglu else fc1_rows
     full = {}
     for name in first:

@@ -9,6 +9,12 @@ Parameter attributes, read by the optimizer side (DeepSpeed's grad-norm, checkpo
   (see ``slice_chunks``);
 - ``sequence_parallel``: replicated over TP but used on sequence shards; its gradient is already
   summed over TP inside backward (see ``tp_replicated``).
+
+The precision seam: each parallel linear runs its local matrix multiply through a child ``local``,
+a plain ``nn.Linear`` (``LocalGEMM``) holding this rank's weight slice. An FP8 engine swaps that child
+for its own linear (torchao's Float8Linear, Transformer Engine's, MS-AMP's); the TP communication
+around it stays here. Its weight is therefore named ``<layer>.local.weight`` (``qkv.local.weight``);
+checkpoints written with the older ``<layer>.weight`` names still load (a load_state_dict pre-hook).
 """
 
 from __future__ import annotations
@@ -92,6 +98,30 @@ def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, group) 
     return x * keep / (1.0 - p)
 
 
+class LocalGEMM(nn.Linear):
+    """This rank's matrix multiply y = x W^T (+ b): an ``nn.Linear`` over a given weight slice, so an
+    FP8 engine that replaces ``nn.Linear`` modules can replace it (the parameter objects, with their
+    TP attributes, move to the replacement). Built without ``nn.Linear``'s random initialisation."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", bias)
+
+
+def _rename_legacy_keys(names: Sequence[str]):
+    """A load_state_dict pre-hook that reads ``<prefix><name>`` (older checkpoints) as ``<prefix>local.<name>``."""
+
+    def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for name in names:
+            old, new = prefix + name, prefix + "local." + name
+            if old in state_dict and new not in state_dict:
+                state_dict[new] = state_dict.pop(old)
+
+    return hook
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features) over TP: each rank computes its output slice.
 
@@ -110,15 +140,25 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and len(splits) > 1:
             raise ValueError("gather_output is for a single (unfused) weight: gathered chunks would interleave")
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
-        self.weight = _param(_slice(init((output_size, input_size)), splits, 0, group), params_dtype,
+        weight = _param(_slice(init((output_size, input_size)), splits, 0, group), params_dtype,
+                        tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
+        local_bias = (_param(torch.zeros(output_size // tp_size(group)), params_dtype,
                              tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
-        self.bias = (_param(torch.zeros(output_size // tp_size(group)), params_dtype,
-                            tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
-                     if bias else None)
+                      if bias else None)
+        self.local = LocalGEMM(weight, local_bias)  # the bias is per output column: it goes with the GEMM
+        self._register_load_state_dict_pre_hook(_rename_legacy_keys(("weight", "bias")))
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.local.weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.local.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = all_gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.local(x)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -134,13 +174,19 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _param(_slice(init((output_size, input_size)), [input_size], 1, group), params_dtype,
-                             tensor_model_parallel=True, partition_dim=1, partition_splits=[input_size])
+        weight = _param(_slice(init((output_size, input_size)), [input_size], 1, group), params_dtype,
+                        tensor_model_parallel=True, partition_dim=1, partition_splits=[input_size])
+        self.local = LocalGEMM(weight, None)  # a partial sum: the bias is added once, after the reduction
         self.bias = (_param(torch.zeros(output_size), params_dtype, sequence_parallel=sequence_parallel)
                      if bias else None)
+        self._register_load_state_dict_pre_hook(_rename_legacy_keys(("weight",)))
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.local.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.local(x)
         y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         if self.bias is not None:
             y = y + tp_replicated(self.bias, self.group, self.sequence_parallel)

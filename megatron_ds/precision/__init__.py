@@ -1,4 +1,5 @@
-"""The precision seam: fp32, bf16, fp16 today; FP8 (Transformer Engine, MS-AMP) slots in here."""
+"""The precision seam: fp32, bf16, fp16, and FP8 beside bf16/fp16 through an engine (torchao, Transformer Engine,
+MS-AMP: fp8.py) that swaps the transformer layers' local GEMMs."""
 
 from megatron_ds.precision.policy import Precision, from_args
 

@@ -1,8 +1,8 @@
-"""One seam for numeric precision: the DeepSpeed config section, the parameter dtype, and the place
-where FP8 (Transformer Engine / MS-AMP) will later wrap the linear layers.
+"""One seam for numeric precision: the DeepSpeed config section, the parameter dtype, and the FP8 engine
+(None, or a torchao / Transformer Engine / MS-AMP engine: precision/fp8.py) that swaps the linear layers' GEMMs.
 
-The training loop asks a Precision object and never branches on bf16/fp16 itself, so adding FP8 means
-adding a Precision here, not touching the loop.
+The training loop asks a Precision object and never branches on bf16/fp16/FP8 itself. FP8 runs beside
+bf16 or fp16: parameters, master weights and DeepSpeed's sections are theirs, only the GEMMs are FP8.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from megatron_ds.precision.fp8 import FP8Engine, engine_from_args
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,11 @@ class Precision:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     notes: tuple[str, ...] = field(default_factory=tuple)
+    fp8: FP8Engine | None = None  # the engine that makes the transformer layers' GEMMs FP8
+
+    def describe(self) -> str:
+        """For the start-up line: 'bf16', or 'bf16 + FP8 torchao (float8 tensorwise ...)'."""
+        return self.name if self.fp8 is None else f"{self.name} + FP8 {self.fp8.describe()}"
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -49,11 +56,12 @@ class Precision:
         return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Hook for FP8: a Transformer Engine / MS-AMP precision swaps or wraps linears here.
+        """FP8: the engine swaps the transformer layers' local GEMMs for its own (before DeepSpeed and before
+        the first forward, so --torch-compile traces the FP8 modules).
 
         bf16/fp16/fp32 need nothing: DeepSpeed casts the module and keeps fp32 master weights.
         """
-        return model
+        return model if self.fp8 is None else self.fp8.convert(model)
 
 
 def from_args(args) -> Precision:
@@ -64,6 +72,7 @@ def from_args(args) -> Precision:
         min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
+        fp8=engine_from_args(args),
     )
     if args.bf16:
         return Precision("bf16", torch.bfloat16, **common)

@@ -109,7 +109,8 @@ def _module_check(name: str, module: str, exercise=None, gpu_only: bool = False)
 def _dist_version(module: str) -> str | None:
     from importlib import metadata
 
-    names = {"transformer_engine": "transformer-engine", "flash_attn": "flash-attn", "msamp": "msamp"}
+    names = {"transformer_engine": "transformer-engine", "flash_attn": "flash-attn", "msamp": "msamp",
+             "torchao": "torchao"}
     for dist in (names.get(module, module), module):
         try:
             return metadata.version(dist)
@@ -165,7 +166,44 @@ def _te(te) -> str:
     layer = tep.Linear(32, 32).to(dev)
     out = layer(torch.randn(8, 32, device=dev))
     assert out.shape == (8, 32)
-    return "te.pytorch.Linear forward ok"
+    if torch.cuda.get_device_capability(dev) < (8, 9):
+        return "te.pytorch.Linear forward ok (no FP8 matrix multiplies on this GPU)"
+    x = torch.randn(32, 32, device=dev, requires_grad=True)
+    with tep.fp8_autocast(enabled=True):
+        out = layer(x)
+    out.float().pow(2).mean().backward()
+    assert torch.isfinite(x.grad).all() and layer.weight.grad is not None
+    return "te.pytorch.Linear forward ok; FP8 (fp8_autocast) forward and backward ok"
+
+
+def _torchao(torchao) -> str:
+    """One torchao float8 linear, forward and backward, against the same linear in bf16: the GPU where it
+    has FP8 matrix multiplies (compute capability >= 8.9), else the CPU (torchao's casts run there too)."""
+    import copy
+
+    import torch
+    from torchao.float8 import convert_to_float8_training
+
+    dev = _gpu_device()
+    if dev is not None and torch.cuda.get_device_capability(dev) < (8, 9):
+        dev = None
+    where = "GPU" if dev is not None else "CPU"
+    dev = dev or torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8 = convert_to_float8_training(copy.deepcopy(reference))
+    x = torch.randn(32, 64, generator=generator).to(torch.bfloat16)
+    outs = []
+    for model in (reference.to(dev), fp8.to(dev)):
+        xi = x.to(dev).clone().requires_grad_()
+        out = model(xi)
+        out.float().pow(2).sum().backward()
+        outs.append((out.float(), xi.grad.float()))
+    assert type(fp8[0]).__name__ == "Float8Linear"
+    for (a, b), what in zip(zip(*outs), ("output", "input gradient")):
+        error = ((a - b).norm() / b.norm()).item()
+        assert error < 0.1, f"float8 {what} is {error:.3f} off bf16 (relative)"
+    return f"Float8Linear forward and backward ok on the {where}"
 
 
 def _flash(flash_attn) -> str:
@@ -323,6 +361,7 @@ def run_checks(flavour: str | None) -> dict:
         flavour = "rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu")
     for name, exercise, gpu_only in (("tokenizers", _tokenizers, False), ("transformer_engine", _te, True),
                                      ("flash_attn", _flash, True), ("apex", _apex, True), ("msamp", _msamp, True),
+                                     ("torchao", _torchao, False),
                                      ("triton", _triton, False), ("megatron_ds", _megatron_ds, False)):
         checks.append(_module_check(name, name, exercise, gpu_only))
     ds_start = time.monotonic()

@@ -204,7 +204,7 @@ class Trainer:
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
         s = self.parallel
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}, "
-             f"ZeRO-{args.zero_stage}, {self.precision.name}, "
+             f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
              f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
              f"device {self.device.type}")
         _log(f"mds train: {self.config.num_layers} layers, hidden {self.config.hidden_size}, "

@@ -226,8 +226,8 @@ def test_init_std_scaled_for_residual_projections():
                        init_method_std=0.02)
     layer = TransformerLayer(config, 1)
     scaled = 0.02 / math.sqrt(2 * 8)
-    for name, std in (("attention.qkv.weight", 0.02), ("mlp.fc1.weight", 0.02),
-                      ("attention.proj.weight", scaled), ("mlp.fc2.weight", scaled)):
+    for name, std in (("attention.qkv.local.weight", 0.02), ("mlp.fc1.local.weight", 0.02),
+                      ("attention.proj.local.weight", scaled), ("mlp.fc2.local.weight", scaled)):
         p = layer.get_parameter(name)
         assert abs(p.std().item() / std - 1) < 0.03, f"{name}: std {p.std().item():.5f}, want {std:.5f}"
     assert torch.count_nonzero(layer.attention.qkv.bias) == 0

@@ -163,8 +163,8 @@ def test_model_depends_only_on_its_arguments(tp2):
         assert whole == piece_shapes(GPTConfig(**LLAMA))
         h, v = LLAMA["hidden_size"], LLAMA["vocab_size"]
         assert (whole[0]["word_embeddings.weight"], sliced[0]["word_embeddings.weight"]) == ((v, h), (v // TP, h))
-        assert sliced[1]["attention.qkv.weight"][0] * TP == whole[1]["attention.qkv.weight"][0]
-        assert sliced[-1]["linear.weight"] == (v // TP, h)
+        assert sliced[1]["attention.qkv.local.weight"][0] * TP == whole[1]["attention.qkv.local.weight"][0]
+        assert sliced[-1]["linear.local.weight"] == (v // TP, h)
         # a shape that cannot split over the group is refused where the group enters (see tp2_worker)
         assert result["one_kv_head_whole"] == GPTConfig(**dict(LLAMA, num_key_value_heads=1)).num_parameters()
 
@@ -193,6 +193,6 @@ def test_deepspeed_pipeline_builds_pieces_with_the_tp_group():
         assert result["all_pieces_on_tp_group"], f"rank {r}"
         # the tied embedding on the first stage and the tied head on the last: this rank's vocab rows
         assert shapes["tied_modules.embed.word_embeddings.weight"] == (v // TP, h), f"rank {r}"
-        qkv = [shape for name, shape in shapes.items() if name.endswith("attention.qkv.weight")]
+        qkv = [shape for name, shape in shapes.items() if name.endswith("attention.qkv.local.weight")]
         assert qkv == [(3 * h // TP, h)], f"rank {r}: one layer per stage, heads split: {qkv}"
         assert ("tied_modules.embed.position_embeddings" in shapes) == (result["pp_rank"] == 0)

@@ -155,8 +155,8 @@ def test_column_parallel_matches_full_linear(tp2, sp):
         y_r, dx_r, g = res[f"col_sp{sp}"]
         close(y_r, shard(y, -1, r, SPLITS), f"rank {r} output")
         close(dx_r, shard(dx, 0, r) if sp else dx, f"rank {r} input grad")
-        close(g["weight"], shard(dw, 0, r, SPLITS), f"rank {r} weight grad")
-        close(g["bias"], shard(db, 0, r, SPLITS), f"rank {r} bias grad")
+        close(g["local.weight"], shard(dw, 0, r, SPLITS), f"rank {r} weight grad")
+        close(g["local.bias"], shard(db, 0, r, SPLITS), f"rank {r} bias grad")
 
 
 def test_column_parallel_gather_output(tp2):
@@ -166,7 +166,7 @@ def test_column_parallel_gather_output(tp2):
         y_r, dx_r, g = res["col_gather"]
         close(y_r, y, f"rank {r} output")
         close(dx_r, dx, f"rank {r} input grad")
-        close(g["weight"], shard(dw, 0, r), f"rank {r} weight grad")
+        close(g["local.weight"], shard(dw, 0, r), f"rank {r} weight grad")
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -177,7 +177,7 @@ def test_row_parallel_matches_full_linear(tp2, sp):
         y_r, dx_r, g = res[f"row_sp{sp}"]
         close(y_r, shard(y, 0, r) if sp else y, f"rank {r} output")
         close(dx_r, shard(dx, -1, r), f"rank {r} input grad")
-        close(g["weight"], shard(dw, 1, r), f"rank {r} weight grad")
+        close(g["local.weight"], shard(dw, 1, r), f"rank {r} weight grad")
         # Under SP each rank holds a partial bias gradient until it is summed over TP in backward.
         close(g["bias"], db, f"rank {r} bias grad")
 

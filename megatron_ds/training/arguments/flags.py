@@ -46,7 +46,6 @@ NO_OP_WITH_VALUE = {
     "--dataset-impl": ({"mmap", "infer"}, "mds reads the mmap indexed format"),
     "--data-impl": ({"mmap", "infer"}, "mds reads the mmap indexed format"),
     "--tensorboard-queue-size": (None, "TensorBoard events are flushed at every log point"),
-    "--transformer-impl": ({"local"}, "mds runs its own layers (FP8 through Transformer Engine is not in mds yet)"),
     "--num-workers": (None, "samples are read in-process from the memory-mapped dataset"),
     "--timing-log-level": (None, "step time is always logged"),
     "--DDP-impl": ({"local", "torch"}, "DeepSpeed owns data parallelism"),
@@ -72,6 +71,22 @@ class _NoOp(argparse.Action):
         notices = getattr(namespace, "notices", None) or []
         notices.append(f"note: {shown} accepted and ignored: {self.why}")
         namespace.notices = notices
+
+
+class _FP8Format(argparse.Action):
+    """--fp8-format FORMAT, or the older switches --fp8-e4m3 / --fp8-hybrid (Megatron-DeepSpeed, MS-AMP's
+    scripts): each sets the format and remembers which flag turned FP8 on, for the messages that name it."""
+
+    def __init__(self, option_strings, dest, const=None, **kw):
+        self.fixed = const
+        super().__init__(option_strings, dest, nargs=0 if const else None, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.fixed or values
+        previous = getattr(namespace, "fp8_format", None)
+        if previous is not None and previous != value:
+            raise ConfigError(option_string, f"{value} conflicts with {namespace.fp8_format_flag} ({previous})")
+        namespace.fp8_format, namespace.fp8_format_flag = value, option_string
 
 
 def _str2norm(value: str) -> str:
@@ -153,6 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+
+    g = p.add_argument_group("FP8 (beside --bf16 or --fp16: only the transformer layers' matrix multiplies are FP8)")
+    g.add_argument("--fp8-format", action=_FP8Format, choices=["e4m3", "hybrid"],
+                   help="turn FP8 on: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients)")
+    g.add_argument("--fp8-e4m3", dest="fp8_format", action=_FP8Format, const="e4m3", help="= --fp8-format e4m3")
+    g.add_argument("--fp8-hybrid", dest="fp8_format", action=_FP8Format, const="hybrid",
+                   help="= --fp8-format hybrid")
+    g.add_argument("--fp8-engine", choices=["auto", "te", "msamp", "torchao"], default="auto",
+                   help="which library runs FP8: auto = Transformer Engine where it can run, else torchao "
+                        "(the engine that ran is printed at start)")
+    g.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+                   help="torchao: dynamic scaling per tensor (fastest) or per row (e4m3 gradients)")
+    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling margin (Transformer Engine)")
+    g.add_argument("--fp8-interval", type=int, default=1, help="delayed scaling update interval (Transformer Engine)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="delayed scaling amax history length (Transformer Engine)")
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent",
+                   help="delayed scaling: amax from the most recent value or the history's max (Transformer Engine)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="local: mds's layers; transformer_engine: FP8 through Transformer Engine (needs it installed)")
+    g.add_argument("--msamp", action="store_true", help="FP8 through MS-AMP (MS-AMP's Megatron-DeepSpeed patch)")
+    g.add_argument("--msamp-opt-level", choices=["O1", "O2", "O3"], default="O1",
+                   help="MS-AMP: O1 FP8 weights and weight gradients; O2 + FP8/FP16 Adam moments (LBAdamW); "
+                        "O3 + ZeRO through MS-AMP's DeepSpeed integration")
 
     g = p.add_argument_group("parallelism and DeepSpeed")
     g.add_argument("--tensor-model-parallel-size", type=int)

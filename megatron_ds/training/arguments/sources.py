@@ -36,6 +36,7 @@ def parse_args(argv: list[str], env: Mapping[str, str] = os.environ) -> argparse
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         raise ConfigError(flag, "unknown or unsupported flag (see `entrypoint train --help` for what mds accepts)")
     args.notices = getattr(args, "notices", None) or []
+    args.fp8_format_flag = getattr(args, "fp8_format_flag", None)  # set by --fp8-format/--fp8-e4m3/--fp8-hybrid
     args.argv = list(argv)
     _from_alcf_environment(args, env)
     _from_preset(args)

@@ -1,0 +1,175 @@
+"""FP8 flags, engine selection and every refusal: validation, in-process, before any process group exists."""
+
+import sys
+
+import pytest
+
+from megatron_ds.precision import from_args
+from megatron_ds.precision.fp8 import engine_from_args, fp8_gemm_refusal
+from megatron_ds.runtime.bootstrap import visible_gpus
+from megatron_ds.training.arguments import ConfigError, parse_args, validate
+
+ON_CPU = visible_gpus() == 0
+
+
+@pytest.fixture
+def files(tmp_path):
+    for name in ("corpus.bin", "corpus.idx", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_text("")
+    return dict(prefix=str(tmp_path / "corpus"), vocab=str(tmp_path / "vocab.json"),
+                merges=str(tmp_path / "merges.txt"))
+
+
+def base(files, *extra):
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--data-path", files["prefix"],
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"], "--merge-file", files["merges"],
+            *extra]
+
+
+def refused(files, extra, world=1):
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(base(files, *extra), env={}), world)
+    return err.value
+
+
+def test_format_flags_and_their_older_switches():
+    def parsed(*flags):
+        return parse_args(["--num-layers", "1", *flags], env={})
+
+    assert parsed().fp8_format is None and engine_from_args(parsed()) is None
+    for flags, fmt, flag in ((["--fp8-format", "e4m3"], "e4m3", "--fp8-format"),
+                             (["--fp8-hybrid"], "hybrid", "--fp8-hybrid"), (["--fp8-e4m3"], "e4m3", "--fp8-e4m3"),
+                             (["--fp8-hybrid", "--fp8-format", "hybrid"], "hybrid", "--fp8-format")):
+        args = parsed(*flags)
+        assert (args.fp8_format, args.fp8_format_flag) == (fmt, flag)
+    with pytest.raises(ConfigError, match="--fp8-hybrid: hybrid conflicts with --fp8-e4m3"):
+        parsed("--fp8-e4m3", "--fp8-hybrid")
+    args = parsed("--fp8-hybrid", "--fp8-margin", "2", "--fp8-interval", "3", "--fp8-amax-history-len", "16",
+                  "--fp8-amax-compute-algo", "max", "--msamp-opt-level", "O2")
+    assert (args.fp8_margin, args.fp8_interval, args.fp8_amax_history_len, args.fp8_amax_compute_algo,
+            args.msamp_opt_level) == (2, 3, 16, "max", "O2")
+    for bad in (["--fp8-format", "e5m2"], ["--fp8-amax-compute-algo", "mean"], ["--transformer-impl", "te"],
+                ["--fp8-engine", "apex"], ["--msamp-opt-level", "O4"]):
+        with pytest.raises(ConfigError, match="invalid choice"):
+            parsed(*bad)
+
+
+def test_transformer_impl_local_is_a_real_flag_without_a_notice():
+    args = parse_args(["--num-layers", "1", "--transformer-impl", "local"], env={})
+    assert args.transformer_impl == "local" and not any("transformer-impl" in n for n in args.notices)
+
+
+def test_engine_selection():
+    def engine(*flags):
+        return engine_from_args(parse_args(["--num-layers", "1", *flags], env={})).name
+
+    # auto: Transformer Engine where it can run here (not installed, and not driven by mds yet), else torchao
+    assert engine("--fp8-hybrid") == "torchao"
+    assert engine("--fp8-hybrid", "--fp8-engine", "auto") == "torchao"
+    assert engine("--fp8-hybrid", "--fp8-engine", "te") == "te"
+    assert engine("--fp8-hybrid", "--transformer-impl", "transformer_engine") == "te"
+    assert engine("--msamp") == "msamp"  # MS-AMP's patch: --msamp alone turns FP8 on
+    assert engine("--fp8-hybrid", "--transformer-impl", "transformer_engine", "--msamp") == "msamp"  # its LM scripts
+    assert engine("--fp8-engine", "msamp") == "msamp"
+
+
+def test_precision_object_carries_the_engine():
+    args = parse_args(["--num-layers", "1", "--bf16", "--fp8-hybrid"], env={})
+    precision = from_args(args)
+    assert precision.name == "bf16" and precision.fp8.name == "torchao"
+    assert precision.deepspeed_config() == {"bf16": {"enabled": True}, "fp16": {"enabled": False}}
+    assert precision.describe() == ("bf16 + FP8 torchao (float8 tensorwise dynamic scaling, e4m3 forward / e5m2 "
+                                    "gradients)")
+    plain = from_args(parse_args(["--num-layers", "1", "--bf16"], env={}))
+    assert plain.fp8 is None and plain.describe() == "bf16"
+
+
+def test_fp8_needs_bf16_or_fp16(files):
+    for flag in ("--fp8-hybrid", "--fp8-e4m3", "--msamp"):
+        err = refused(files, [flag])
+        assert err.flag == flag and "FP8 runs beside --bf16 or --fp16" in str(err)
+    err = refused(files, ["--fp8-format", "hybrid"])
+    assert err.flag == "--fp8-format" and "add --bf16" in str(err)
+
+
+def test_fp8_engine_flags_without_fp8_are_refused(files):
+    err = refused(files, ["--bf16", "--fp8-engine", "torchao"])
+    assert err.flag == "--fp8-engine" and "FP8 is off: add --fp8-format hybrid" in str(err)
+    err = refused(files, ["--bf16", "--fp8-recipe", "rowwise"])
+    assert err.flag == "--fp8-recipe" and "FP8 training, which is off" in str(err)
+    err = refused(files, ["--bf16", "--msamp", "--fp8-engine", "torchao"])
+    assert err.flag == "--fp8-engine" and "conflicts with --msamp" in str(err)
+
+
+@pytest.mark.parametrize("extra, flag, what", [
+    (["--hidden-size", "72", "--num-attention-heads", "4"], "--hidden-size", "the hidden size is 72"),
+    (["--tensor-model-parallel-size", "2", "--hidden-size", "80", "--num-attention-heads", "4",
+      "--ffn-hidden-size", "128"], "--hidden-size", "hidden size per TP rank is 40"),
+    (["--ffn-hidden-size", "200"], "--ffn-hidden-size", "FFN hidden size per TP rank is 200"),
+    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "80"], "--ffn-hidden-size",
+     "FFN hidden size per TP rank is 40"),
+    (["--num-attention-heads", "16", "--num-key-value-heads", "1"], "--num-key-value-heads",
+     "fused QKV width per TP rank is 72"),
+    (["--seq-length", "25", "--micro-batch-size", "1"], "--micro-batch-size", "tokens per micro-batch"),
+])
+def test_gemm_sizes_not_multiples_of_16_are_refused(files, extra, flag, what):
+    world = 2 if "--tensor-model-parallel-size" in extra else 1
+    err = refused(files, ["--bf16", "--fp8-hybrid", *extra], world)
+    assert err.flag == flag and "--fp8-hybrid: FP8 matrix multiplies need multiples of 16" in str(err)
+    assert what in str(err)
+
+
+def test_msamp_and_transformer_engine_missing_are_refused_naming_the_flag(files):
+    err = refused(files, ["--bf16", "--msamp", "--msamp-opt-level", "O3"])
+    assert err.flag == "--msamp" and "MS-AMP is not installed" in str(err)
+    err = refused(files, ["--bf16", "--fp8-hybrid", "--transformer-impl", "transformer_engine"])
+    assert err.flag == "--transformer-impl" and "needs Transformer Engine, which is not installed" in str(err)
+    err = refused(files, ["--bf16", "--transformer-impl", "transformer_engine"])
+    assert err.flag == "--transformer-impl" and "not installed" in str(err)
+    err = refused(files, ["--bf16", "--fp8-hybrid", "--fp8-engine", "te"])
+    assert err.flag == "--fp8-engine" and "Transformer Engine is not installed" in str(err)
+
+
+def test_torchao_missing_is_refused(files, monkeypatch):
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` raises ImportError, as when absent
+    err = refused(files, ["--bf16", "--fp8-hybrid"])
+    assert err.flag == "--fp8-hybrid" and "torchao's float8 training is not importable" in str(err)
+    assert "pip install megatron_ds[fp8]" in str(err)
+    err = refused(files, ["--bf16", "--fp8-format", "e4m3", "--fp8-engine", "torchao"])
+    assert err.flag == "--fp8-engine" and "torchao" in str(err)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the CPU refusal needs a machine without GPUs; GPUs: test_gpu_capability_rule")
+def test_fp8_on_cpu_is_refused_naming_the_flag(files):
+    err = refused(files, ["--bf16", "--fp8-hybrid"])
+    assert err.flag == "--fp8-hybrid" and "FP8 engine torchao: no GPU is visible" in str(err)
+    err = refused(files, ["--bf16", "--fp8-format", "hybrid", "--fp8-engine", "torchao"])
+    assert err.flag == "--fp8-engine" and "no GPU is visible" in str(err)
+
+
+def test_gpu_capability_rule():
+    assert "no GPU is visible" in fp8_gemm_refusal(None)
+    assert "compute capability 8.0" in fp8_gemm_refusal((8, 0)) and ">= 8.9" in fp8_gemm_refusal((8, 0))
+    assert "compute capability 8.6" in fp8_gemm_refusal((8, 6))
+    assert fp8_gemm_refusal((8, 9)) is None and fp8_gemm_refusal((9, 0)) is None and fp8_gemm_refusal((10, 0)) is None
+
+
+@pytest.mark.skipif(not ON_CPU, reason="checks the exit code of the CPU refusal")
+def test_cli_exits_2_before_any_process_group(files, capsys):
+    import torch.distributed as dist
+
+    from megatron_ds.training.cli import main
+
+    assert main(base(files, "--bf16", "--fp8-hybrid")) == 2
+    assert "error: --fp8-hybrid: FP8 engine torchao: no GPU is visible" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_delayed_scaling_values_are_checked(files):
+    assert refused(files, ["--bf16", "--fp8-hybrid", "--fp8-margin", "-1"]).flag == "--fp8-margin"
+    err = refused(files, ["--bf16", "--fp8-hybrid", "--fp8-amax-history-len", "0"])
+    assert err.flag == "--fp8-amax-history-len" and "must be positive (got 0)" in str(err)
+    assert refused(files, ["--bf16", "--fp8-hybrid", "--fp8-interval", "0"]).flag == "--fp8-interval"
