@@ -162,14 +162,19 @@ stage_fp8() {  # FP8 (torchao float8, tensorwise) vs bf16 on one GPU, each pair 
   $PYTHON -c "import torch, torchao.float8; print('torch', torch.__version__, 'torchao', torchao.__version__, \
     'capability', torch.cuda.get_device_capability())" || { echo "torchao not importable: carry .whl/"; return 1; }
   t 160 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_fp8 -- $GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile
-  t 140 $F --loss --steps 300 --warmup-steps 10 --demo-corpus --name gpt350m_s1024_mbs16_fp8_loss300 -- \
+  t 180 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_fp8 -- --preset GPT2_7B --bf16 --micro-batch-size 8 \
+    --zero-stage 1 --torch-compile
+  stage_fp8loss
+}
+
+stage_fp8loss() {  # the FP8 stage's second half: 300-step loss comparison, the plain-PyTorch reference's float8 ratio
+  local F="$PYTHON bench/fp8_compare.py"
+  t 420 $F --loss --steps 300 --warmup-steps 10 --demo-corpus --name gpt350m_s1024_mbs16_fp8_loss300 -- \
     --preset GPT350M --bf16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 16 --zero-stage 1 \
     --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 30 --hidden-dropout 0 --attention-dropout 0 \
     --log-interval 10 --seed 1234
-  t 180 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_fp8 -- --preset GPT2_7B --bf16 --micro-batch-size 8 \
-    --zero-stage 1 --torch-compile
   if [ -f .whl/reference_gpt.py ]; then  # the plain-PyTorch yardstick, GPT-1.3B shape, same machine and call
-    OUT="$LOGS" t 100 $PYTHON .whl/reference_gpt.py --which compile,compile_fp8 --mbs 16 --steps 10 --warmup 3
+    OUT="$LOGS" t 300 $PYTHON .whl/reference_gpt.py --which compile,compile_fp8 --mbs 16 --steps 10 --warmup 3
     cp "$LOGS/anchor.json" "$OUT/reference_gpt_fp8.json" 2>/dev/null
   fi
 }
