@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_ds.checkpoint import layout as paths
 from megatron_ds.checkpoint import metadata as meta
 from megatron_ds.checkpoint import rng
+from megatron_ds.checkpoint import shape as model_shapes
 from megatron_ds.checkpoint.metadata import CheckpointError, Layout
 
 _last_saved: tuple[str, int] | None = None  # (save dir, iteration) of this process's last save
@@ -124,7 +125,7 @@ def save(engine, args: Namespace, state) -> str | None:
     if rank == 0:
         layout = current_layout(engine)
         metadata = meta.build(args, layout, client_state, meta.manifest(tmp_dir),
-                              optimizer_saved=save_optim, rng_saved=save_rng)
+                              optimizer_saved=save_optim, rng_saved=save_rng, model=model_shapes.model_shape(args))
         meta.write(tmp_dir, metadata)
         paths.fsync_dir(tmp_dir)
         paths.publish(save_dir, tmp_tag, tag)
@@ -185,7 +186,9 @@ def load(engine, args: Namespace, state) -> bool:
     meta.check_complete(directory, metadata)
     saved_state = None if finetune else meta.saved_train_state(metadata, state.state_dict(), directory)
     layout = current_layout(engine)
-    meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory)
+    saved_model = metadata.get("model") or model_shapes.model_shape(Namespace(**metadata["args"]))
+    meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory,
+                          saved_model=saved_model, model=model_shapes.model_shape(args))
 
     loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optim,
                                        load_lr_scheduler_states=load_optim, load_module_only=finetune)
