@@ -58,33 +58,48 @@ def tokenizer_vocab_size(args: Namespace) -> int | None:
         return None
 
 
-def model_shape(args: Namespace) -> dict | None:
-    """The resolved architecture of the model these flags build; None when the flags do not describe a
-    GPTModel (a test's own model, or a Namespace without the model flags)."""
+def gpt_config(args: Namespace, padded_vocab_size: int):
+    """The GPTConfig whose weights these flags fix (GPTConfig resolves the defaults: kv heads, ffn size)."""
     from megatron_ds.model.config import GPTConfig
-    from megatron_ds.training.arguments.rules import pad_vocab_size
 
-    needed = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "tokenizer_type")
-    if any(getattr(args, name, None) is None for name in needed):
-        return None
-    vocab = tokenizer_vocab_size(args)
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    padded = None if vocab is None else pad_vocab_size(vocab, getattr(args, "make_vocab_size_divisible_by", 128), tp)
-    position = getattr(args, "position_embedding_type", None) or "learned_absolute"
-    config = GPTConfig(
+    return GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=padded or 1, seq_length=args.seq_length,
+        vocab_size=padded_vocab_size, seq_length=args.seq_length,
         max_position_embeddings=getattr(args, "max_position_embeddings", None),
         num_key_value_heads=getattr(args, "num_key_value_heads", None),
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None), position_embedding_type=position,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        position_embedding_type=getattr(args, "position_embedding_type", None) or "learned_absolute",
         normalization=getattr(args, "normalization", None) or "LayerNorm", swiglu=bool(getattr(args, "swiglu", False)),
         add_bias_linear=not getattr(args, "disable_bias_linear", False),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)))
+
+
+def padded_vocab_size(vocab_size: int, args: Namespace) -> int:
+    from megatron_ds.training.arguments.rules import pad_vocab_size
+
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    return pad_vocab_size(vocab_size, getattr(args, "make_vocab_size_divisible_by", None) or 128, tp)
+
+
+def model_shape(args: Namespace, vocab_size: int | None = None) -> dict | None:
+    """The resolved architecture of the model these flags build; None when the flags do not describe a
+    GPTModel (a test's own model, or a Namespace without the model flags). ``vocab_size`` stands in for
+    the tokenizer's (an imported model whose tokenizer the user names later)."""
+    needed = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    if any(getattr(args, name, None) is None for name in needed):
+        return None
+    if vocab_size is None:
+        if getattr(args, "tokenizer_type", None) is None:
+            return None
+        vocab_size = tokenizer_vocab_size(args)
+    padded = None if vocab_size is None else padded_vocab_size(vocab_size, args)
+    config = gpt_config(args, padded or 1)
     shape = {name: getattr(config, name) for name in SHAPE_FLAGS}
-    if position != "learned_absolute":
+    if config.position_embedding_type != "learned_absolute":
         shape["max_position_embeddings"] = None  # sizes no weight with rope
-    shape.update(vocab_size=vocab, padded_vocab_size=padded, tensor_model_parallel_size=tp,
-                 tokenizer_sha256=_fingerprint(args))
+    shape.update(vocab_size=vocab_size, padded_vocab_size=padded,
+                 tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", None) or 1,
+                 tokenizer_sha256=_fingerprint(args) if getattr(args, "tokenizer_type", None) else None)
     return shape
 
 
