@@ -90,6 +90,16 @@ def _writes_through(engine, *, drop_optimizer: bool):
             engine.save_zero_checkpoint = saves_zero
 
 
+def split_record(args: Namespace, shape: dict | None) -> dict | None:
+    """How each parameter of the model these flags build is split over TP (splits.py); None when the
+    flags describe no GPTModel."""
+    if shape is None or shape.get("padded_vocab_size") is None:
+        return None
+    from megatron_ds.checkpoint import splits
+
+    return splits.record(splits.meta_model(model_shapes.gpt_config(args, shape["padded_vocab_size"])))
+
+
 def save(engine, args: Namespace, state) -> str | None:
     """Write a checkpoint of the train state ``state`` (a TrainState: its state_dict() holds
     ``iteration``) to ``args.save``; collective (every rank calls it).
@@ -124,8 +134,10 @@ def save(engine, args: Namespace, state) -> str | None:
 
     if rank == 0:
         layout = current_layout(engine)
+        shape = model_shapes.model_shape(args)
         metadata = meta.build(args, layout, client_state, meta.manifest(tmp_dir),
-                              optimizer_saved=save_optim, rng_saved=save_rng, model=model_shapes.model_shape(args))
+                              optimizer_saved=save_optim, rng_saved=save_rng, model=shape)
+        metadata["splits"] = split_record(args, shape)
         meta.write(tmp_dir, metadata)
         paths.fsync_dir(tmp_dir)
         paths.publish(save_dir, tmp_tag, tag)

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "transformers); import (with --from): the new mds checkpoint directory")
     p.add_argument("--from", dest="source", nargs=2, metavar=("FORMAT", "SRC"),
                    help="import: FORMAT hf (a GPT2LMHeadModel or LlamaForCausalLM directory with config.json "
-                        "and safetensors) from SRC")
+                        "and safetensors), or megatron-deepspeed (a GPT checkpoint in Megatron's "
+                        "mp_rank_XX[_YYY]/model_optim_rng.pt or DeepSpeed's layer_XX-model_YY files) from SRC")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="import: TP size to write (default 1)")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="import: PP size to write (default 1)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -59,7 +60,7 @@ def checkpoint_directory(load: str, iteration: int | None) -> str:
 
 
 def import_main(args, parser) -> int:
-    from megatron_ds.checkpoint import hf_import
+    from megatron_ds.checkpoint import hf_import, megatron_deepspeed
 
     fmt, source = args.source
     if fmt not in IMPORT_FORMATS:
@@ -69,9 +70,10 @@ def import_main(args, parser) -> int:
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
     try:
-        result = hf_import.import_hf(source, os.path.abspath(args.to), tp=args.tensor_model_parallel_size,
-                                     pp=args.pipeline_model_parallel_size,
-                                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        importer = hf_import.import_hf if fmt == "hf" else megatron_deepspeed.import_megatron_deepspeed
+        result = importer(source, os.path.abspath(args.to), tp=args.tensor_model_parallel_size,
+                          pp=args.pipeline_model_parallel_size,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     except CheckpointError as exc:
         print(f"entrypoint convert: error: {exc}", file=sys.stderr)
         return 2
@@ -79,7 +81,7 @@ def import_main(args, parser) -> int:
     return 0
 
 
-IMPORT_FORMATS = ("hf",)
+IMPORT_FORMATS = ("hf", "megatron-deepspeed")
 
 
 def main(argv: list[str]) -> int:
