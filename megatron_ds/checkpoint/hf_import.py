@@ -250,7 +250,8 @@ def describe(result: dict) -> str:
     lines = [f"convert: wrote {result['architecture']} as {result['directory']} (weights only)"]
     lines += [f"convert: warning: {w}" for w in result["warnings"]]
     lines.append("convert: continue it with these model flags (and your data, batch and schedule flags):")
-    lines.append("  entrypoint train " + shlex.join(result["flags"]) + f" --load {shlex.quote(os.path.dirname(result['directory']))} --finetune")
+    load = shlex.quote(os.path.dirname(result["directory"]))
+    lines.append("  entrypoint train " + shlex.join(result["flags"]) + f" --load {load} --finetune")
     if not result["tokenizer"]:
         lines.append(f"convert: the HF directory has no tokenizer files: add the --tokenizer-type/--vocab-file/"
                      f"--merge-file of its {result['vocab_size']}-token tokenizer")

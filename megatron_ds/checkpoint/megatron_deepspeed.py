@@ -215,7 +215,7 @@ def model_flags(args: Namespace) -> list[str]:
 
 
 def _ours(name: str) -> str:
-    """Our attribute path of a Megatron-named weight (``layers.3.mlp.dense_h_to_4h.weight`` -> ``layers.3.mlp.fc1.weight``)."""
+    """Our attribute path of a Megatron-named weight: ``layers.3.mlp.dense_h_to_4h.weight`` -> ``layers.3.mlp.fc1.weight``."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     match = re.match(r"^layers\.(\d+)\.(.+)\.(weight|bias)$", name)

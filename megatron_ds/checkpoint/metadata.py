@@ -160,8 +160,8 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
     for name in MODEL_SHAPE_ARGS:
         if not (resolved and name in SHAPE_FLAGS):
             compare(name)
-    if not resolved and saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and not saved_args.get(
-            "use_rotary_position_embeddings"):
+    learned = saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute"
+    if not resolved and learned and not saved_args.get("use_rotary_position_embeddings"):
         compare(_LEARNED_POSITIONS)
     for name, key in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp")):
         if saved_layout[key] != getattr(layout, key):
