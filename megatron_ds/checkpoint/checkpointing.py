@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_ds.checkpoint import layout as paths
 from megatron_ds.checkpoint import metadata as meta
 from megatron_ds.checkpoint import rng
+from megatron_ds.checkpoint import shape as model_shapes
 from megatron_ds.checkpoint.metadata import CheckpointError, Layout
 
 _last_saved: tuple[str, int] | None = None  # (save dir, iteration) of this process's last save
@@ -89,6 +90,16 @@ def _writes_through(engine, *, drop_optimizer: bool):
             engine.save_zero_checkpoint = saves_zero
 
 
+def split_record(args: Namespace, shape: dict | None) -> dict | None:
+    """How each parameter of the model these flags build is split over TP (splits.py); None when the
+    flags describe no GPTModel."""
+    if shape is None or shape.get("padded_vocab_size") is None:
+        return None
+    from megatron_ds.checkpoint import splits
+
+    return splits.record(splits.meta_model(model_shapes.gpt_config(args, shape["padded_vocab_size"])))
+
+
 def save(engine, args: Namespace, state) -> str | None:
     """Write a checkpoint of the train state ``state`` (a TrainState: its state_dict() holds
     ``iteration``) to ``args.save``; collective (every rank calls it).
@@ -123,8 +134,10 @@ def save(engine, args: Namespace, state) -> str | None:
 
     if rank == 0:
         layout = current_layout(engine)
+        shape = model_shapes.model_shape(args)
         metadata = meta.build(args, layout, client_state, meta.manifest(tmp_dir),
-                              optimizer_saved=save_optim, rng_saved=save_rng)
+                              optimizer_saved=save_optim, rng_saved=save_rng, model=shape)
+        metadata["splits"] = split_record(args, shape)
         meta.write(tmp_dir, metadata)
         paths.fsync_dir(tmp_dir)
         paths.publish(save_dir, tmp_tag, tag)
@@ -185,7 +198,9 @@ def load(engine, args: Namespace, state) -> bool:
     meta.check_complete(directory, metadata)
     saved_state = None if finetune else meta.saved_train_state(metadata, state.state_dict(), directory)
     layout = current_layout(engine)
-    meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory)
+    saved_model = metadata.get("model") or model_shapes.model_shape(Namespace(**metadata["args"]))
+    meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory,
+                          saved_model=saved_model, model=model_shapes.model_shape(args))
 
     loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optim,
                                        load_lr_scheduler_states=load_optim, load_module_only=finetune)

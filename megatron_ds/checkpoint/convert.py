@@ -1,7 +1,10 @@
-"""`entrypoint convert --to hf --load DIR --output OUT`: a checkpoint as a Hugging Face model directory.
+"""`entrypoint convert`: checkpoints in and out of mds, on the CPU, no process group.
 
-Reads the checkpoint ``latest`` names (or --iteration N) on the CPU, merges its TP/PP shards and
-writes config.json + model.safetensors that ``transformers`` loads with ``from_pretrained``.
+- ``--to hf --load DIR --output OUT``: the checkpoint ``latest`` names (or --iteration N), TP/PP shards
+  merged, as config.json + model.safetensors that ``transformers`` loads with ``from_pretrained``.
+- ``--from hf HF_DIR --to DIR [--tensor-model-parallel-size N --pipeline-model-parallel-size M]``: a
+  GPT-2 or LLaMA HF model directory as an mds checkpoint (weights only) that
+  ``entrypoint train --load DIR --finetune`` continues with the model flags printed.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert an mds checkpoint. GPT-2 style models (learned positions, LayerNorm, GeLU) become "
                     "GPT2LMHeadModel, LLaMA style (rope, RMSNorm, SwiGLU) LlamaForCausalLM. TP and PP shards are "
                     "merged and the vocabulary padding is trimmed. Runs on the CPU, no process group needed.")
-    p.add_argument("--to", required=True, choices=["hf"], help="target format (hf: Hugging Face transformers)")
-    p.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory (the one given to --save)")
-    p.add_argument("--output", required=True, metavar="OUT", help="directory to write config.json and "
+    p.add_argument("--to", required=True, metavar="hf|DIR", help="export: the target format (hf: Hugging Face "
+                   "transformers); import (with --from): the new mds checkpoint directory")
+    p.add_argument("--from", dest="source", nargs=2, metavar=("FORMAT", "SRC"),
+                   help="import: FORMAT hf (a GPT2LMHeadModel or LlamaForCausalLM directory with config.json "
+                        "and safetensors), or megatron-deepspeed (a GPT checkpoint in Megatron's "
+                        "mp_rank_XX[_YYY]/model_optim_rng.pt or DeepSpeed's layer_XX-model_YY files) from SRC")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="import: TP size to write (default 1)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="import: PP size to write (default 1)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="import: pad the vocabulary to a multiple of this x TP, as training does (default 128)")
+    p.add_argument("--load", metavar="DIR", help="export: checkpoint directory (the one given to --save)")
+    p.add_argument("--output", metavar="OUT", help="export: directory to write config.json and "
                    "model.safetensors to")
     p.add_argument("--iteration", type=int, help="convert iter_N instead of the checkpoint `latest` names")
     p.add_argument("--vocab-size", type=int, help="unpadded vocabulary size (default: from the tokenizer the "
@@ -47,8 +59,40 @@ def checkpoint_directory(load: str, iteration: int | None) -> str:
     return directory
 
 
+def import_main(args, parser) -> int:
+    from megatron_ds.checkpoint import hf_import, megatron_deepspeed
+
+    fmt, source = args.source
+    if fmt not in IMPORT_FORMATS:
+        parser.error(f"--from: format {fmt!r} is not one of {', '.join(IMPORT_FORMATS)}")
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    try:
+        importer = hf_import.import_hf if fmt == "hf" else megatron_deepspeed.import_megatron_deepspeed
+        result = importer(source, os.path.abspath(args.to), tp=args.tensor_model_parallel_size,
+                          pp=args.pipeline_model_parallel_size,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    except CheckpointError as exc:
+        print(f"entrypoint convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(hf_import.describe(result), flush=True)
+    return 0
+
+
+IMPORT_FORMATS = ("hf", "megatron-deepspeed")
+
+
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.source is not None:
+        return import_main(args, parser)
+    if args.to != "hf":
+        parser.error(f"--to {args.to}: exporting writes 'hf'; to import, name the source with --from FORMAT SRC")
+    if not args.load or not args.output:
+        parser.error("--to hf needs --load DIR and --output OUT")
     from megatron_ds.checkpoint import hf
     from megatron_ds.checkpoint.shards import merged_state_dict
 

@@ -53,9 +53,10 @@ def jsonable(value):
 
 
 def build(args: Namespace, layout: Layout, train_state: dict, files: dict[str, int], *,
-          optimizer_saved: bool = True, rng_saved: bool = True) -> dict:
+          optimizer_saved: bool = True, rng_saved: bool = True, model: dict | None = None) -> dict:
     """The metadata of one checkpoint; the loop's train state (iteration, consumed samples, ...) is
-    recorded at the top level, each field under its own name."""
+    recorded at the top level, each field under its own name. ``model`` is the resolved model shape
+    (shape.model_shape), compared with the loading run's."""
     from megatron_ds import __version__
 
     metadata = {
@@ -67,6 +68,7 @@ def build(args: Namespace, layout: Layout, train_state: dict, files: dict[str, i
         "rng_saved": rng_saved,
         "args": {k: jsonable(v) for k, v in sorted(vars(args).items())},
         "files": files,
+        "model": model,
     }
     clashes = sorted(set(train_state) & set(metadata))
     if clashes:
@@ -133,11 +135,20 @@ def check_complete(directory: str, metadata: dict) -> None:
 
 
 def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_optim: bool,
-                     load_rng: bool, directory: str) -> None:
-    """Raise CheckpointError naming every argument in which the checkpoint and this run differ."""
+                     load_rng: bool, directory: str, saved_model: dict | None = None,
+                     model: dict | None = None) -> None:
+    """Raise CheckpointError naming every argument in which the checkpoint and this run differ.
+
+    ``saved_model`` and ``model`` are the resolved shapes (shape.model_shape) of the checkpoint's model
+    and this run's: when both are known they are compared, value by value, instead of the flags."""
+    from megatron_ds.checkpoint.shape import SHAPE_FLAGS, differences
+
     saved_args = metadata["args"]
     saved_layout = metadata["layout"]
     problems = []
+    resolved = saved_model is not None and model is not None
+    if resolved:
+        problems += differences(saved_model, model)
 
     def compare(name: str) -> None:
         if name in saved_args and hasattr(args, name):
@@ -147,9 +158,10 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
                 problems.append(f"--{name.replace('_', '-')}: checkpoint {saved_args[name]!r}, this run {ours!r}")
 
     for name in MODEL_SHAPE_ARGS:
-        compare(name)
-    if saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and not saved_args.get(
-            "use_rotary_position_embeddings"):
+        if not (resolved and name in SHAPE_FLAGS):
+            compare(name)
+    learned = saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute"
+    if not resolved and learned and not saved_args.get("use_rotary_position_embeddings"):
         compare(_LEARNED_POSITIONS)
     for name, key in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp")):
         if saved_layout[key] != getattr(layout, key):
