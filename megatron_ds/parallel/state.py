@@ -140,7 +140,8 @@ def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None,
     ``timeout_minutes`` (--distributed-timeout-minutes) bounds each collective of these groups
     (None: torch's default).
     """
-    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
+    # torch 2.1 refuses timeout=None: pass it only when given
+    timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
     global _STATE
     if not dist.is_initialized():
         if backend is None:
@@ -155,14 +156,14 @@ def init_parallel(tp: int = 1, pp: int = 1, backend: str | None = None,
             import torch
 
             torch.cuda.set_device(local_device_index())  # NCCL binds its communicator to it
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        dist.init_process_group(backend=backend, init_method="env://", **timeout)
     dims = ParallelDims(dist.get_world_size(), tp, pp)
     rank = dist.get_rank()
     state = ParallelState(dims, rank)
     for attr, groups in (("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()),
                          ("pp_group", dims.pp_groups())):
         for ranks in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, **timeout)
             if rank in ranks:
                 setattr(state, attr, group)
     _STATE = state
