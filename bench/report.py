@@ -79,6 +79,8 @@ def render(results_dir: Path) -> str:
             rec = json.loads(path.read_text())
         except json.JSONDecodeError:
             continue
+        if not isinstance(rec, dict):  # e.g. a yardstick's raw list of runs
+            rec = {"runs": rec}
         rec.setdefault("name", path.stem)
         records.append(rec)
     train = [r for r in records if r.get("kind") in ("mds_train", "baseline_hf_deepspeed")]
