@@ -41,8 +41,11 @@ def seeded_normal(std: float, *key: object) -> Init:
     digest = hashlib.sha256(repr(key).encode()).digest()
 
     def init(shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=torch.float32)
+        if tensor.is_meta:  # a model built for its shapes only (torch 2.1 cannot draw meta tensors from a generator)
+            return tensor
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        return tensor.normal_(0.0, std, generator=generator)
 
     return init
 

@@ -56,7 +56,8 @@ def test_train_state_round_trips_through_checkpoint_metadata(tmp_path):
     assert (metadata["iteration"], metadata["consumed_train_samples"], metadata["consumed_valid_samples"]) == (
         7, 112, 48)
     assert set(metadata) == {"format", "mds_version", "saved_at", "iteration", "consumed_train_samples",
-                             "consumed_valid_samples", "layout", "optimizer_saved", "rng_saved", "args", "files"}
+                             "consumed_valid_samples", "layout", "optimizer_saved", "rng_saved", "args", "files",
+                             "model"}
     meta.write(str(tmp_path), metadata)
     restored = TrainState()
     restored.load_state_dict(meta.saved_train_state(meta.read(str(tmp_path)), restored.state_dict(), str(tmp_path)))
