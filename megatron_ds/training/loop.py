@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_ds.checkpoint import Checkpointer, StopAgreement
 from megatron_ds.runtime.progress import Progress
+from megatron_ds.runtime.stragglers import OwnWork, RankTimes, gather, slowdown_for_tests
 from megatron_ds.runtime.watchdog import Timeouts
 from megatron_ds.training.arguments import pad_vocab_size
 from megatron_ds.training.data import MicroBatches, build_datasets
@@ -223,7 +224,10 @@ class Trainer:
             enabled=self.parallel.rank == 0, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
             seq_length=args.seq_length, flops_per_token=self.config.flops_per_token(), world_size=args.world_size,
             peak=peak_flops(args.peak_tflops), metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
-            log_interval=args.log_interval)
+            log_interval=args.log_interval, straggler_factor=args.straggler_factor)
+        # each rank's own work per step, gathered at log points to name a straggler (runtime/stragglers.py)
+        self.own_work = OwnWork(self.device, slowdown=slowdown_for_tests(self.parallel.rank),
+                                enabled=args.world_size > 1 and not self.pipelined and args.straggler_factor > 0)
         self.evaluator = Evaluator(self.evaluate, self.valid_ds, interval=args.eval_interval, iters=args.eval_iters,
                                    metrics=self.metrics)
         self.checkpointer = Checkpointer(self.engine, args)
@@ -259,8 +263,9 @@ class Trainer:
             return loss.detach().float().clone()  # averaged over micro-batches and DP, on every stage
         self.engine.train()
         total = torch.zeros((), device=self.device)
-        for tokens, labels in batches:
+        for tokens, labels in self.own_work.batches(batches):
             loss = self.engine(tokens, labels).mean()
+            self.own_work.forward_done()
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
@@ -309,9 +314,11 @@ class Trainer:
     def _log_train(self, st: TrainState, lr: float, losses: LossSinceLastLog, timer: IntervalTimer) -> None:
         """The log line of the steps since the last one: mean loss and step time."""
         step_time = timer.take() / losses.steps
+        rank_times = RankTimes(gather(self.own_work.take() / losses.steps, self.device)) if self.own_work.enabled \
+            else None  # one all_gather per log point
         loss, skipped = losses.take(self.engine.skipped_steps)
         stats = StepStats(st.iteration, st.consumed_train_samples, loss, lr, self._grad_norm(),
-                          self._loss_scale(), step_time)
+                          self._loss_scale(), step_time, rank_times)
         self.metrics.log_train(stats, skipped=skipped)
 
     def run(self) -> int:

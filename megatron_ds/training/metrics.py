@@ -3,6 +3,11 @@
 Throughput is model FLOPs (GPTConfig.flops_per_token: attention and logits included, recompute not
 counted) per second per device; MFU divides it by the device's dense bf16 peak. There is no honest
 CPU peak, so on CPU `mfu` is null unless --peak-tflops / MDS_PEAK_TFLOPS gives one.
+
+With more than one rank, each training record also names the slowest rank by its own work per step
+(runtime/stragglers.py says what that is): `slowest_rank`, `slowest_rank_time_s`, `median_rank_time_s`
+(the other ranks' median) and `straggler_rank` (the slowest rank when it is more than
+--straggler-factor x that median, else null; a warning line names it).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
+
+from megatron_ds.runtime.stragglers import RankTimes
 
 # Dense bf16 peak FLOP/s per device (per GCD for MI250X), by a substring of the device name.
 PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12), ("MI250X", 191.5e12),
@@ -51,6 +58,7 @@ class StepStats:
     grad_norm: float | None
     loss_scale: float | None
     step_time_s: float
+    rank_times: RankTimes | None = None  # each rank's own work per step (None: one rank, or not measured)
 
 
 def _finite_or_none(x):
@@ -65,8 +73,9 @@ class MetricsLogger:
 
     def __init__(self, *, enabled: bool, train_iters: int, global_batch_size: int, seq_length: int,
                  flops_per_token: float, world_size: int, peak: float | None, metrics_file: str | None,
-                 tensorboard_dir: str | None, log_interval: int = 1, stream=sys.stdout):
-        self.enabled, self.log_interval = enabled, log_interval
+                 tensorboard_dir: str | None, log_interval: int = 1, straggler_factor: float = 1.5,
+                 stream=sys.stdout):
+        self.enabled, self.log_interval, self.straggler_factor = enabled, log_interval, straggler_factor
         self.train_iters, self.global_batch_size, self.seq_length = train_iters, global_batch_size, seq_length
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, peak
         self.stream = stream
@@ -90,7 +99,7 @@ class MetricsLogger:
         tokens_per_s = tokens / s.step_time_s if s.step_time_s > 0 else None
         tflops = None if tokens_per_s is None else self.flops_per_token * tokens_per_s / self.world_size / 1e12
         mfu = None if tflops is None or not self.peak else tflops * 1e12 / self.peak
-        return {
+        record = {
             "iteration": s.iteration,
             "consumed_samples": s.consumed_samples,
             "lm_loss": _finite_or_none(s.lm_loss),
@@ -103,6 +112,11 @@ class MetricsLogger:
             "mfu": mfu,
             "mem_gib": memory_gib(),
         }
+        if s.rank_times is not None:
+            record.update(slowest_rank=s.rank_times.slowest, slowest_rank_time_s=s.rank_times.times[s.rank_times.slowest],
+                          median_rank_time_s=s.rank_times.median_of_others,
+                          straggler_rank=s.rank_times.straggler(self.straggler_factor, s.step_time_s))
+        return record
 
     def log_train(self, s: StepStats, skipped: int = 0) -> dict:
         record = self.train_record(s)
@@ -128,6 +142,12 @@ class MetricsLogger:
         if record["mfu"] is not None:
             parts.append(f"MFU: {100 * record['mfu']:.1f}%")
         print(" | ".join(parts) + " |", file=self.stream, flush=True)
+        if record.get("straggler_rank") is not None:
+            print(f"WARNING: straggler: rank {record['straggler_rank']} spends {record['slowest_rank_time_s']:.3f} s "
+                  f"per step in its own work (data path + forward), "
+                  f"{record['slowest_rank_time_s'] / max(record['median_rank_time_s'], 1e-9):.1f}x the other ranks' "
+                  f"median {record['median_rank_time_s']:.3f} s (--straggler-factor {self.straggler_factor:g}): "
+                  f"the others wait for it", file=self.stream, flush=True)
         self._write(record)
         if self._tb is not None:
             for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s",

@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the node's ranks up to N times after a failure or a hang, resuming from --load's "
                         "latest checkpoint; the same failure at the same iteration twice in a row stops (default 0)")
+    g.add_argument("--straggler-factor", type=float, default=1.5, metavar="X",
+                   help="at each log point, name the rank whose own work per step (data path + forward) is more "
+                        "than X times the other ranks' median (metrics: straggler_rank); 0 turns it off (default 1.5)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MIN",
                    help="the process groups' own timeout for a collective (init_process_group), as Megatron (default 10)")
 
