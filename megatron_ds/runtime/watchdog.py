@@ -11,7 +11,8 @@ so compilation, the first steps, evaluation and checkpoint saving get their own 
 a job of 50 ms steps notices a hang after FLOOR = 180 s, and one of 10 s steps waits 200 s.
 
 On a hang the node's supervisor asks every local rank for its Python stacks (SIGUSR2, which the
-ranks registered with faulthandler; py-spy too where installed), names the stuck rank(s), stops
+ranks registered with faulthandler; py-spy too where installed) and torch's collective flight
+recorder (flight_recorder.py: rankN.flight_recorder.pkl), names the stuck rank(s), stops
 the job and exits with HANG_EXIT. Without a supervisor of ours (one task per GPU under Slurm or
 mpiexec), each rank's own watchdog thread dumps its stacks and exits with HANG_EXIT, so the
 scheduler (srun --kill-on-bad-exit=1) ends the step.
@@ -25,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
@@ -37,6 +38,8 @@ MEASURED_STEPS = 3  # steps timed before the step allowance applies (earlier one
 SLOW_PHASE = 1800.0  # seconds: start-up, evaluation, saving, first steps
 ENV_DIR = "MDS_WATCHDOG_DIR"  # set by the supervisor: where ranks write progress and stacks
 RECORD_BYTES = 256  # each progress record is rewritten in place at this fixed size
+RECORDER_WAIT = 5.0  # seconds to wait for the flight recorder note after a rank's stacks arrived
+RECORDER_NOTE = b"flight recorder: "  # the line a rank's dump thread appends to its stacks file (progress.py)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,11 @@ def stacks_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.stacks"
 
 
+def trace_path(directory: str | Path, rank: int) -> Path:
+    """Where a rank's flight recorder dump goes (flight_recorder.dump)."""
+    return Path(directory) / f"rank{rank}.flight_recorder.pkl"
+
+
 def process_state(pid: int) -> str:
     """The kernel's one-letter state (R, S, D, T, Z...) or '?' when the process is gone."""
     try:
@@ -117,6 +125,7 @@ class Verdict:
     overdue: list[Record]
     stuck: dict[int, str]  # rank -> why it is named
     stacks: dict[int, Path]  # rank -> file with its stacks (absent when it could not dump)
+    recorders: dict[int, Path] = field(default_factory=dict)  # rank -> its flight recorder dump, where written
 
     def describe(self, timeout_note: str) -> str:
         now = time.time()
@@ -131,6 +140,8 @@ class Verdict:
                          "may be on another node)")
         for rank, path in sorted(self.stacks.items()):
             lines.append(f"stacks of rank {rank}: {path}")
+        for rank, path in sorted(self.recorders.items()):
+            lines.append(f"flight recorder of rank {rank}: {path}")
         return "\n".join(lines)
 
 
@@ -168,7 +179,21 @@ def dump_stacks(records: dict[int, Record], directory: Path, wait: float = 5.0) 
                 answered.add(rank)
         time.sleep(0.1)
     time.sleep(0.2)  # let a dump that just began finish
+    # the flight recorder follows the stacks (a thread in the rank); a rank that is no trainer writes none
+    deadline = time.monotonic() + RECORDER_WAIT
+    while time.monotonic() < deadline and not all(_noted(stacks_path(directory, r), before[r]) for r in answered):
+        time.sleep(0.1)
     return {rank: stacks_path(directory, rank) for rank in sorted(answered)}
+
+
+def _noted(path: Path, offset: int) -> bool:
+    """Whether the flight recorder note arrived after `offset` in a rank's stacks file."""
+    try:
+        with open(path, "rb") as stacks:
+            stacks.seek(offset)
+            return RECORDER_NOTE in stacks.read()
+    except OSError:
+        return False
 
 
 def _size(path: Path) -> int:
@@ -238,7 +263,9 @@ class Watchdog:
     def investigate(self, overdue: list[Record]) -> Verdict:
         records = {r.rank: r for r in overdue}
         stacks = dump_stacks(records, self.directory)
-        return Verdict(overdue, name_stuck(records, stacks), stacks)
+        recorders = {rank: trace_path(self.directory, rank) for rank in records
+                     if trace_path(self.directory, rank).exists()}
+        return Verdict(overdue, name_stuck(records, stacks), stacks, recorders)
 
     def last_iteration(self) -> int | None:
         """The furthest iteration any rank reported (read now: a crash may follow the last poll)."""

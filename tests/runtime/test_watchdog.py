@@ -1,5 +1,6 @@
 """The hang watchdog: its allowances (pure), and real ranks under our supervisor, alone, and under a real Slurm."""
 
+import pickle
 import subprocess
 import sys
 import time
@@ -80,6 +81,14 @@ def test_supervisor_names_the_sleeping_rank_outside_the_collective(tmp_path):
         assert f"stacks of rank {rank}:" in result.stderr
     (stacks,) = tmp_path.glob("mds-watchdog-*/rank1.stacks")
     assert "hang_probe.py" in stacks.read_text() and "all_reduce" not in stacks.read_text()
+    # the flight recorder follows the stacks: rank 0's last collective is the all_reduce it waits in, not completed
+    for rank in (0, 1):
+        assert f"flight recorder of rank {rank}:" in result.stderr
+    (trace,) = tmp_path.glob("mds-watchdog-*/rank0.flight_recorder.pkl")
+    last = pickle.loads(trace.read_bytes())["entries"][-1]
+    assert last["profiling_name"] == "gloo:all_reduce" and last["collective_seq_id"] == 9, last
+    assert last["state"] != "completed", last
+    assert "flight recorder: " in (trace.parent / "rank0.stacks").read_text()
 
 
 @pytest.mark.slow
@@ -117,6 +126,7 @@ def test_rank_without_a_supervisor_watches_itself(tmp_path):
     assert age <= 6 + 5, f"{age:.1f} s"
     assert "mds watchdog: HANG: rank 1" in outputs[1][1] and "hang_probe.py" in outputs[1][1]
     assert "all_reduce" in outputs[0][1]  # rank 0's stacks show where it waits
+    assert "mds watchdog: flight recorder: " in outputs[0][1]  # and its flight recorder, after them
 
 
 @pytest.mark.slow
