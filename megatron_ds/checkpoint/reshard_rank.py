@@ -35,6 +35,15 @@ def _uses_zero_accessors(param) -> bool:
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
+def _link_optimizer_state(engine) -> None:
+    """ZeRO 1/2: point each parameter's view of the flat Adam state at the current state tensors (DeepSpeed
+    does this lazily at its first step; the accessors need it now)."""
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
 def build(args: Namespace, padded_vocab: int):
     from megatron_ds.parallel.state import init_parallel
     from megatron_ds.precision import from_args as precision_from_args
@@ -80,6 +89,7 @@ def gather(spec: dict) -> None:
                                        load_lr_scheduler_states=True)
     if loaded is None:
         raise RuntimeError(f"DeepSpeed found no model states in {spec['load_dir']}/{spec['tag']}")
+    _link_optimizer_state(engine)
     base = _base_optimizer(engine)
     params = {}
     for name, param in local_parameters(engine, pipelined, args.num_layers).items():
@@ -117,8 +127,8 @@ def _fill_optimizer_state(engine, params: dict[str, torch.nn.Parameter], full: d
     owners = [p for g in base.param_groups for p in g["params"]] if zero else list(params.values())
     for p in owners:
         base.state[p] = {"step": torch.tensor(float(step)), **{k: torch.zeros_like(p) for k in MOMENTS}}
-    if zero and hasattr(engine.optimizer, "_link_all_hp_params"):
-        engine.optimizer._link_all_hp_params()  # ZeRO 1/2: the per-parameter views of the new state
+    if zero:
+        _link_optimizer_state(engine)
     for name, param in params.items():
         saved = full[name]
         pieces = {k: splits.shard(saved[k], entries.get(name), tp, tp_rank).to(param.dtype)

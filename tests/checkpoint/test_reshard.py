@@ -121,3 +121,49 @@ def test_resume_at_another_layout_continues_the_reference(source, target, refere
     for i in range(6, 11):
         assert abs(got[i] - want[i]) <= REL * abs(want[i]), (i, got, want)
     assert abs(got_val[10] - want_val[10]) <= REL * abs(want_val[10])
+
+
+def test_vocabulary_padding_follows_the_target_tp(first_half, demo_corpus, tmp_path):
+    """TP=2 pads 4096 tokens to 4200 rows (--make-vocab-size-divisible-by 100); at TP=1 the same flag pads
+    to 4100: the reshard trims the padding rows (never a real token), and growing back appends zero rows."""
+    import torch
+
+    from megatron_ds.checkpoint.shards import merged_state_dict
+
+    source = tmp_path / "tp2-pad"
+    run(train_argv(demo_corpus, 2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "100",
+                                    "--save", "ckpt", "--eval-iters", "0"], 2), source)
+    convert(source / "ckpt", tmp_path / "tp1" / "ckpt", ["--tensor-model-parallel-size", "1"])
+    convert(tmp_path / "tp1" / "ckpt", tmp_path / "tp2-again" / "ckpt", ["--tensor-model-parallel-size", "2"])
+
+    def weights(ckpt: Path) -> dict:
+        directory = ckpt / "iter_0000002"
+        return merged_state_dict(str(directory), json.loads((directory / "mds_checkpoint.json").read_text()))
+
+    original, tp1, again = weights(source / "ckpt"), weights(tmp_path / "tp1" / "ckpt"), weights(tmp_path / "tp2-again" / "ckpt")
+    name = "embedding.word_embeddings.weight"
+    assert (original[name].shape[0], tp1[name].shape[0], again[name].shape[0]) == (4200, 4100, 4200)
+    assert torch.equal(tp1[name], original[name][:4100])
+    assert torch.equal(again[name][:4100], original[name][:4100]) and not again[name][4100:].any()
+    for other in original:
+        if other != name:
+            assert torch.equal(original[other], tp1[other]) and torch.equal(original[other], again[other]), other
+
+
+def test_bad_input_exits_2_naming_it_and_writes_nothing(first_half, tmp_path):
+    ckpt = first_half("tp2") / "ckpt"
+    result = convert(ckpt, tmp_path / "a" / "ckpt", ["--tensor-model-parallel-size", "3"], code=2)
+    assert "TP 3 x PP 1 x DP 1 does not fit this model" in result.stderr and "Traceback" not in result.stderr
+    result = convert(ckpt, tmp_path / "b" / "ckpt", ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"],
+                     code=2)
+    assert "--zero-stage 2 cannot be combined with --pipeline-model-parallel-size 2" in result.stderr
+    torn = tmp_path / "torn"
+    import shutil
+
+    shutil.copytree(ckpt, torn)
+    (torn / "iter_0000005" / "mp_rank_01_model_states.pt").unlink()
+    result = convert(torn, tmp_path / "c" / "ckpt", ["--tensor-model-parallel-size", "1"], code=2)
+    assert "is partial: mp_rank_01_model_states.pt is missing" in result.stderr
+    for name in "abc":
+        assert not (tmp_path / name / "ckpt").exists()
+        assert not list((tmp_path / name).glob(".reshard-*"))
