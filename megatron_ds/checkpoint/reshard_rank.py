@@ -124,7 +124,10 @@ def _fill_optimizer_state(engine, params: dict[str, torch.nn.Parameter], full: d
     base = _base_optimizer(engine)
     zero = any(_uses_zero_accessors(p) for p in params.values())
     # Adam's state is created by its first step: create it here (zeros, then the saved values below)
-    owners = [p for g in base.param_groups for p in g["params"]] if zero else list(params.values())
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3 hands them to Adam only per step
+        owners = list(engine.optimizer.fp32_partitioned_groups_flat)
+    else:
+        owners = [p for g in base.param_groups for p in g["params"]] if zero else list(params.values())
     for p in owners:
         base.state[p] = {"step": torch.tensor(float(step)), **{k: torch.zeros_like(p) for k in MOMENTS}}
     if zero:

@@ -35,6 +35,7 @@ LAYOUTS = {  # name: (ranks, train flags, convert flags)
     "tp2": (2, ["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--zero-stage", "0"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2", "--zero-stage", "0"]),
     "zero2": (2, ["--zero-stage", "2"], ["--data-parallel-size", "2", "--zero-stage", "2"]),
+    "zero3": (2, ["--zero-stage", "3"], ["--data-parallel-size", "2", "--zero-stage", "3"]),
 }
 
 
@@ -101,7 +102,7 @@ def convert(load: Path, to: Path, flags: list[str], code: int = 0) -> subprocess
 
 
 @pytest.mark.parametrize("source,target", [("tp2", "single"), ("pp2", "tp2"), ("zero2", "single-zero1"),
-                                           ("single", "pp2"), ("tp2", "zero2")])
+                                           ("single", "pp2"), ("tp2", "zero2"), ("zero2", "zero3")])
 def test_resume_at_another_layout_continues_the_reference(source, target, reference, first_half, demo_corpus,
                                                           tmp_path):
     start = time.time()
