@@ -196,6 +196,11 @@ def load(engine, args: Namespace, state) -> bool:
 
     metadata = meta.read(directory)
     meta.check_complete(directory, metadata)
+    resharded = metadata.get("resharded_from")
+    if resharded and load_rng and not metadata.get("rng_saved", True):
+        load_rng = False  # the per-rank RNG states of another world do not carry over (reshard.py)
+        _log(f"{directory} was resharded from TP {resharded['layout']['tp']} x PP {resharded['layout']['pp']} x "
+             f"DP {resharded['layout']['dp']}: the RNG states start from --seed")
     saved_state = None if finetune else meta.saved_train_state(metadata, state.state_dict(), directory)
     layout = current_layout(engine)
     saved_model = metadata.get("model") or model_shapes.model_shape(Namespace(**metadata["args"]))

@@ -5,6 +5,10 @@
 - ``--from hf HF_DIR --to DIR [--tensor-model-parallel-size N --pipeline-model-parallel-size M]``: a
   GPT-2 or LLaMA HF model directory as an mds checkpoint (weights only) that
   ``entrypoint train --load DIR --finetune`` continues with the model flags printed.
+- ``--reshard --load DIR --to NEW --tensor-model-parallel-size N --pipeline-model-parallel-size M
+  --data-parallel-size D [--zero-stage Z]``: the checkpoint (weights, Adam moments, fp32 master weights,
+  step, LR schedule, consumed samples) rewritten at another layout (reshard.py); ``entrypoint train
+  --load NEW`` at that layout resumes it. This one starts rank processes (gloo, CPU) at both layouts.
 """
 
 from __future__ import annotations
@@ -30,10 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import: FORMAT hf (a GPT2LMHeadModel or LlamaForCausalLM directory with config.json "
                         "and safetensors), or megatron-deepspeed (a GPT checkpoint in Megatron's "
                         "mp_rank_XX[_YYY]/model_optim_rng.pt or DeepSpeed's layer_XX-model_YY files) from SRC")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="import: TP size to write (default 1)")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="import: PP size to write (default 1)")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="import: pad the vocabulary to a multiple of this x TP, as training does (default 128)")
+    p.add_argument("--reshard", action="store_true", help="rewrite the checkpoint in --load at another TP x PP x "
+                   "DP layout and ZeRO stage into the empty directory --to, optimizer state included")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="import, reshard: TP size to write (default 1)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="import, reshard: PP size to write (default 1)")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="reshard: DP size to write (default 1)")
+    p.add_argument("--zero-stage", type=int, help="reshard: ZeRO stage to write (default: the checkpoint's)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int,
+                   help="import: pad the vocabulary to a multiple of this x TP, as training does (default 128); "
+                        "reshard: default the checkpoint's value")
     p.add_argument("--load", metavar="DIR", help="export: checkpoint directory (the one given to --save)")
     p.add_argument("--output", metavar="OUT", help="export: directory to write config.json and "
                    "model.safetensors to")
@@ -73,7 +84,7 @@ def import_main(args, parser) -> int:
         importer = hf_import.import_hf if fmt == "hf" else megatron_deepspeed.import_megatron_deepspeed
         result = importer(source, os.path.abspath(args.to), tp=args.tensor_model_parallel_size,
                           pp=args.pipeline_model_parallel_size,
-                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by or 128)
     except CheckpointError as exc:
         print(f"entrypoint convert: error: {exc}", file=sys.stderr)
         return 2
@@ -84,11 +95,32 @@ def import_main(args, parser) -> int:
 IMPORT_FORMATS = ("hf", "megatron-deepspeed")
 
 
+def reshard_main(args, parser) -> int:
+    from megatron_ds.checkpoint import reshard
+
+    if not args.load or args.to in (None, "hf"):
+        parser.error("--reshard needs --load DIR (the checkpoint) and --to NEW (an empty directory)")
+    try:
+        zero_stage = args.zero_stage
+        if zero_stage is None:
+            source = meta.read(checkpoint_directory(os.path.abspath(args.load), args.iteration))
+            zero_stage = int(source["layout"]["zero_stage"])
+        reshard.reshard(args.load, args.to, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                        dp=args.data_parallel_size, zero_stage=zero_stage,
+                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, iteration=args.iteration)
+    except CheckpointError as exc:
+        print(f"entrypoint convert: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.source is not None:
         return import_main(args, parser)
+    if args.reshard:
+        return reshard_main(args, parser)
     if args.to != "hf":
         parser.error(f"--to {args.to}: exporting writes 'hf'; to import, name the source with --from FORMAT SRC")
     if not args.load or not args.output:

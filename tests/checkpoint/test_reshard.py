@@ -1,0 +1,170 @@
+"""`entrypoint convert --reshard`, as a user runs it: real `entrypoint train` processes (gloo, CPU, fp32).
+
+The reference trains 10 iterations at TP=1 PP=1 DP=1. Another layout trains 5 (saving at 5), the
+checkpoint is resharded to a third layout, and `entrypoint train --load` there resumes to 10: the
+losses of iterations 6-10 must match the reference within 1e-5 relative (dropout off; every layout
+sees the same global batch, so only the order of floating-point reductions differs, observed ~1e-7).
+That holds only if weights, Adam moments, fp32 master weights, the step, the LR schedule and the data
+position all survive the layout change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_helpers import free_port
+
+pytestmark = pytest.mark.slow
+
+ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
+REL = 1e-5
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+       "--max-position-embeddings", "32", "--hidden-dropout", "0", "--attention-dropout", "0"]
+LAYOUTS = {  # name: (ranks, train flags, convert flags)
+    "single": (1, [], ["--tensor-model-parallel-size", "1", "--zero-stage", "0"]),
+    "single-zero1": (1, ["--zero-stage", "1"], ["--zero-stage", "1"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--zero-stage", "0"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2", "--zero-stage", "0"]),
+    "zero2": (2, ["--zero-stage", "2"], ["--data-parallel-size", "2", "--zero-stage", "2"]),
+    "zero3": (2, ["--zero-stage", "3"], ["--data-parallel-size", "2", "--zero-stage", "3"]),
+}
+
+
+def env() -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return dict(clean, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+
+
+def train_argv(corpus, ranks: int, flags: list[str], iters: int) -> list[str]:
+    argv = [ENTRYPOINT, "train", *GPT, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
+            "--merge-file", corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
+            "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--seed", "7",
+            "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--metrics-file", "metrics.jsonl",
+            *flags]
+    return argv + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
+
+
+def run(argv: list[str], cwd: Path, code: int = 0) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == code, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def losses(cwd: Path) -> tuple[dict[int, float], dict[int, float]]:
+    train, val = {}, {}
+    for line in (cwd / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "lm_loss" in record:
+            train[record["iteration"]] = record["lm_loss"]
+        if "val_loss" in record:
+            val[record["iteration"]] = record["val_loss"]
+    return train, val
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_corpus) -> Path:
+    cwd = tmp_path_factory.mktemp("reference")
+    run(train_argv(demo_corpus, 1, [], 10), cwd)
+    return cwd
+
+
+@pytest.fixture(scope="module")
+def first_half(tmp_path_factory, demo_corpus):
+    """Per source layout: the same 10-iteration schedule as the reference, stopped and saved at 5."""
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            ranks, flags, _ = LAYOUTS[name]
+            cwd = tmp_path_factory.mktemp(f"first-{name}")
+            run(train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--save-interval", "5", "--exit-interval", "5"],
+                           10), cwd)
+            assert (cwd / "ckpt" / "latest").read_text() == "iter_0000005"
+            cache[name] = cwd
+        return cache[name]
+
+    return get
+
+
+def convert(load: Path, to: Path, flags: list[str], code: int = 0) -> subprocess.CompletedProcess:
+    return run([ENTRYPOINT, "convert", "--reshard", "--load", str(load), "--to", str(to), *flags], to.parent, code)
+
+
+@pytest.mark.parametrize("source,target", [("tp2", "single"), ("pp2", "tp2"), ("zero2", "single-zero1"),
+                                           ("single", "pp2"), ("tp2", "zero2"), ("zero2", "zero3")])
+def test_resume_at_another_layout_continues_the_reference(source, target, reference, first_half, demo_corpus,
+                                                          tmp_path):
+    start = time.time()
+    converted = convert(first_half(source) / "ckpt", tmp_path / "ckpt", LAYOUTS[target][2])
+    seconds = time.time() - start
+    saved = json.loads((tmp_path / "ckpt" / "iter_0000005" / "mds_checkpoint.json").read_text())
+    assert (saved["iteration"], saved["consumed_train_samples"], saved["consumed_valid_samples"]) == (5, 20, 4)
+    assert saved["resharded_from"]["layout"]["world_size"] == LAYOUTS[source][0]
+    ranks, flags, _ = LAYOUTS[target]
+    result = run(train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt"], 10), tmp_path)
+    assert "resuming from iteration 5 (20 samples)" in result.stdout + result.stderr
+    (got, got_val), (want, want_val) = losses(tmp_path), losses(reference)
+    assert sorted(got) == list(range(6, 11))
+    worst = max(abs(got[i] - want[i]) / abs(want[i]) for i in got)
+    print(f"\n{source} -> {target}: convert {seconds:.1f}s; max relative loss difference over iterations 6-10 "
+          f"{worst:.2e}; {converted.stdout.strip().splitlines()[-1]}")
+    for i in range(6, 11):
+        assert abs(got[i] - want[i]) <= REL * abs(want[i]), (i, got, want)
+    assert abs(got_val[10] - want_val[10]) <= REL * abs(want_val[10])
+
+
+def test_vocabulary_padding_follows_the_target_tp(first_half, demo_corpus, tmp_path):
+    """TP=2 pads 4096 tokens to 4200 rows (--make-vocab-size-divisible-by 100); at TP=1 the same flag pads
+    to 4100: the reshard trims the padding rows (never a real token), and growing back appends zero rows."""
+    import torch
+
+    from megatron_ds.checkpoint.shards import merged_state_dict
+
+    source = tmp_path / "tp2-pad"
+    run(train_argv(demo_corpus, 2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "100",
+                                    "--save", "ckpt", "--eval-iters", "0"], 2), source)
+    convert(source / "ckpt", tmp_path / "tp1" / "ckpt", ["--tensor-model-parallel-size", "1"])
+    convert(tmp_path / "tp1" / "ckpt", tmp_path / "tp2-again" / "ckpt", ["--tensor-model-parallel-size", "2"])
+
+    def weights(ckpt: Path) -> dict:
+        directory = ckpt / "iter_0000002"
+        return merged_state_dict(str(directory), json.loads((directory / "mds_checkpoint.json").read_text()))
+
+    original, tp1, again = weights(source / "ckpt"), weights(tmp_path / "tp1" / "ckpt"), weights(tmp_path / "tp2-again" / "ckpt")
+    name = "embedding.word_embeddings.weight"
+    assert (original[name].shape[0], tp1[name].shape[0], again[name].shape[0]) == (4200, 4100, 4200)
+    assert torch.equal(tp1[name], original[name][:4100])
+    assert torch.equal(again[name][:4100], original[name][:4100]) and not again[name][4100:].any()
+    for other in original:
+        if other != name:
+            assert torch.equal(original[other], tp1[other]) and torch.equal(original[other], again[other]), other
+
+
+def test_bad_input_exits_2_naming_it_and_writes_nothing(first_half, tmp_path):
+    ckpt = first_half("tp2") / "ckpt"
+    result = convert(ckpt, tmp_path / "a" / "ckpt", ["--tensor-model-parallel-size", "3"], code=2)
+    assert "TP 3 x PP 1 x DP 1 does not fit this model" in result.stderr and "Traceback" not in result.stderr
+    result = convert(ckpt, tmp_path / "b" / "ckpt", ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"],
+                     code=2)
+    assert "--zero-stage 2 cannot be combined with --pipeline-model-parallel-size 2" in result.stderr
+    torn = tmp_path / "torn"
+    import shutil
+
+    shutil.copytree(ckpt, torn)
+    (torn / "iter_0000005" / "mp_rank_01_model_states.pt").unlink()
+    result = convert(torn, tmp_path / "c" / "ckpt", ["--tensor-model-parallel-size", "1"], code=2)
+    assert "is partial: mp_rank_01_model_states.pt is missing" in result.stderr
+    for name in "abc":
+        assert not (tmp_path / name / "ckpt").exists()
+        assert not list((tmp_path / name).glob(".reshard-*"))
