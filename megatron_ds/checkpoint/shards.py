@@ -10,10 +10,9 @@ rank); PP>1 one ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` per pipeline 
 ``gpt_stage_specs``: 0 embedding, 1..L transformer layers, L+1 final norm, L+2 untied output head (a
 tied head is the embedding's weight and has no file of its own).
 
-How each weight is split over TP follows megatron_ds.parallel.layers: column-parallel weights
-(qkv, fc1, the output head, the word embeddings) along dim 0, each of their fused parts
-([q; k; v], [gate; up]) split on its own; row-parallel weights (proj, fc2) along dim 1; norms,
-row-parallel biases and learned positions are replicated.
+How each weight is split over TP is the checkpoint's split record (``splits`` in mds_checkpoint.json, written
+from the parallel layers' own tags): dimension and fused parts ([q; k; v], [gate; up]) per parameter; a
+parameter absent from it (norms, row-parallel biases, learned positions) is replicated.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import torch
 
 from megatron_ds.checkpoint.metadata import CheckpointError
 
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Older names of the parallel linears' GEMM parameters: column-parallel weight and bias, row-parallel weight
 # (a row-parallel bias stays on the layer: it is added after the TP reduction).
 _LEGACY = re.compile(r"^(.*(?:attention\.qkv|mlp\.fc1|output_head\.linear)\.(?:weight|bias)"
@@ -68,48 +66,22 @@ def _rank_state_dicts(directory: str, tp: int, pp: int, num_layers: int) -> list
     return per_rank
 
 
-def _tp_split(name: str, q_size: int, kv_size: int, ffn: int, swiglu: bool) -> tuple[int, list[int]] | None:
-    """(dim, full sizes of the fused parts) for a TP-split weight; None for a replicated one."""
-    match = _LAYER.match(name)
-    local = match.group(2) if match else name
-    if local in ("attention.qkv.local.weight", "attention.qkv.local.bias"):
-        return 0, [q_size, kv_size, kv_size]
-    if local in ("mlp.fc1.local.weight", "mlp.fc1.local.bias"):
-        return 0, [ffn, ffn] if swiglu else [ffn]
-    if local in ("attention.proj.local.weight", "mlp.fc2.local.weight"):
-        return 1, []
-    if name in ("embedding.word_embeddings.weight", "output_head.linear.local.weight"):
-        return 0, []
-    return None
-
-
-def _merge(shards: list[torch.Tensor], dim: int, parts: list[int]) -> torch.Tensor:
-    if not parts:
-        return torch.cat(shards, dim=dim)
-    tp = len(shards)
-    pieces = [shard.split([p // tp for p in parts], dim=dim) for shard in shards]
-    return torch.cat([torch.cat([pieces[r][i] for r in range(tp)], dim=dim) for i in range(len(parts))], dim=dim)
-
-
 def merged_state_dict(directory: str, metadata: dict) -> dict[str, torch.Tensor]:
-    """The full model's state dict from a checkpoint directory (see the module docstring)."""
+    """The full model's state dict from a checkpoint directory (see the module docstring); the TP shards are
+    joined by the checkpoint's split record (splits.py), rebuilt from its saved flags for older checkpoints."""
+    from megatron_ds.checkpoint import splits
+
     layout, args = metadata["layout"], metadata["args"]
-    tp, pp, num_layers = layout["tp"], layout["pp"], args["num_layers"]
-    ranks = _rank_state_dicts(directory, tp, pp, num_layers)
-    heads, hidden = args["num_attention_heads"], args["hidden_size"]
-    head_dim = hidden // heads
-    first = ranks[0]
-    qkv_rows = first["layers.0.attention.qkv.local.weight"].shape[0] * tp
-    q_size = heads * head_dim
-    kv_size = (qkv_rows - q_size) // 2
-    swiglu = bool(args.get("swiglu"))
-    fc1_rows = first["layers.0.mlp.fc1.local.weight"].shape[0] * tp
-    ffn = fc1_rows // 2 if swiglu else fc1_rows
-    full = {}
-    for name in first:
-        split = _tp_split(name, q_size, kv_size, ffn, swiglu)
-        if split is None or tp == 1:
-            full[name] = first[name]
-        else:
-            full[name] = _merge([r[name] for r in ranks], *split)
-    return full
+    tp, pp = layout["tp"], layout["pp"]
+    ranks = _rank_state_dicts(directory, tp, pp, args["num_layers"])
+    if tp == 1:
+        return ranks[0]
+    record = metadata.get("splits")
+    if not record:
+        from argparse import Namespace
+
+        from megatron_ds.checkpoint.shape import gpt_config
+
+        padded = ranks[0]["embedding.word_embeddings.weight"].shape[0] * tp
+        record = splits.record(splits.meta_model(gpt_config(Namespace(**args), padded)))
+    return splits.merge_state_dicts(ranks, record)

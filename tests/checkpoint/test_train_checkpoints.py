@@ -244,6 +244,26 @@ def test_export_gpt2_style_tp2_matches_our_logits(reference, tmp_path):
     torch.testing.assert_close(theirs, ours[..., :4096], atol=1e-4, rtol=0)
 
 
+def test_export_merges_by_the_split_record_and_rebuilds_it_for_older_checkpoints(reference, tmp_path):
+    """The TP shards are joined by mds_checkpoint.json's split record; a checkpoint from before the record
+    gets it rebuilt from its saved flags, with the same result."""
+    import shutil
+
+    from megatron_ds.checkpoint.metadata import read
+    from megatron_ds.checkpoint.shards import merged_state_dict
+
+    saved = reference("tp2") / "ckpt" / "iter_0000010"
+    metadata = read(str(saved))
+    assert metadata["splits"]["layers.0.attention.qkv.local.weight"]["dim"] == 0
+    with_record = merged_state_dict(str(saved), metadata)
+    older = tmp_path / "older"
+    shutil.copytree(saved, older)
+    without = merged_state_dict(str(older), {k: v for k, v in metadata.items() if k != "splits"})
+    assert with_record.keys() == without.keys()
+    assert all(torch.equal(with_record[k], without[k]) for k in with_record)
+    assert with_record["layers.0.attention.qkv.local.weight"].shape[0] == 3 * 64  # whole [q; k; v]
+
+
 def test_export_merges_pipeline_stages(reference, tmp_path):
     """The PP=2 run's own validation loss at iteration 10 (computed by DeepSpeed's pipeline engine on
     validation samples 4..7) is reproduced by the exported model on the same samples."""
