@@ -38,7 +38,7 @@ def assert_same_grad_norms(run, reference):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
-@pytest.mark.parametrize("zero", ["0", "1", "2"])
+@pytest.mark.parametrize("zero", ["0", "1", "2", "3"])
 def test_gpt_ulysses2_matches_single_process(tmp_path_factory, demo_corpus, gpt_single, zero):
     """Learned absolute positions: each slice adds the positions of its place in the sequence."""
     run = run_train(tmp_path_factory, demo_corpus, f"u_gpt_sp2_zero{zero}", GPT,
@@ -97,6 +97,7 @@ def test_ulysses_checkpoint_loads_without_ulysses(tmp_path_factory, demo_corpus,
     first, second = _resume_pair(tmp_path_factory, demo_corpus, "u_to_dp",
                                  ["--ds-sequence-parallel-size", "2", "--zero-stage", "0"], ["--zero-stage", "0"])
     assert "DP 2, ZeRO-0" in second["stdout"] and "Ulysses" not in second["stdout"]
+    assert [r["iteration"] for r in second["train"]] == [4, 5]  # it did resume from the SP checkpoint
     whole = {"train": first["train"] + second["train"], "eval": [], "dir": second["dir"]}
     assert_same_losses(whole, gpt_single)
 
