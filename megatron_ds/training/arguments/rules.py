@@ -162,6 +162,11 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
     if args.seq_length % sp:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp} does not divide --seq-length {args.seq_length} "
                           "(every sequence-parallel rank holds an equal slice)")
+    if args.zero_stage == 3:
+        # Found by tests/training/test_ulysses.py: SP 2 + ZeRO-3 trains with a wrong gradient (iteration-1 norm
+        # 1.31 against 2.29 single-process) while ZeRO-0/1/2 match within 1e-7. Refused until understood.
+        raise ConfigError("--zero-stage", f"ZeRO-3 with --ds-sequence-parallel-size {sp} is not supported yet (its "
+                          "gradients do not match the single-process run); use ZeRO-0, 1 or 2")
     if args.torch_compile:
         raise ConfigError("--torch-compile", f"not supported with --ds-sequence-parallel-size {sp} (DeepSpeed's "
                           "all-to-all inside a compiled layer is untested in mds)")
