@@ -33,6 +33,28 @@ def llama_single(tmp_path_factory, demo_corpus):
     return run_train(tmp_path_factory, demo_corpus, "u_llama_single", LLAMA, [])
 
 
+def test_micro_batches_hand_each_sp_rank_its_slice_of_the_same_samples():
+    """The SP ranks of a DP rank read the same samples; rank r keeps tokens and labels [r s/sp, (r+1) s/sp)."""
+    import numpy as np
+    import torch
+
+    from megatron_ds.training.data import MicroBatches
+
+    dataset = [np.arange(100 * i, 100 * i + 9) for i in range(8)]  # samples of seq_length + 1 = 9 tokens
+
+    def batches(dp_rank, sp_size=1, sp_rank=0):
+        return list(MicroBatches(dataset, 0, micro_batch_size=2, dp_size=2, dp_rank=dp_rank, accumulation_steps=2,
+                                 device=torch.device("cpu"), sp_size=sp_size, sp_rank=sp_rank))
+
+    for dp_rank in (0, 1):
+        whole = batches(dp_rank)
+        parts = [batches(dp_rank, 2, r) for r in (0, 1)]
+        for step, (tokens, labels) in enumerate(whole):
+            assert torch.equal(torch.cat([p[step][0] for p in parts], dim=1), tokens)
+            assert torch.equal(torch.cat([p[step][1] for p in parts], dim=1), labels)
+            assert parts[1][step][0].shape == (2, 4) and parts[1][step][0].is_contiguous()
+
+
 def assert_same_grad_norms(run, reference):
     for a, b in zip(run["train"], reference["train"]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
