@@ -6,6 +6,12 @@ scaled_dot_product_attention, which itself picks flash / cuDNN / memory-efficien
 
 All take q [b, s, nq, d] and k, v [b, s, nkv, d] (grouped-query attention when nkv < nq; query
 head i uses kv head i // (nq // nkv)) and return [b, s, nq, d].
+
+``ulysses(core, group)`` runs any of them under DeepSpeed-Ulysses sequence parallelism through
+DeepSpeed's own ``DistributedAttention``: q, k, v arrive as this rank's sequence slice with all heads,
+an all-to-all turns them into the full sequence with nq/sp and nkv/sp heads, the kernel runs, and the
+inverse all-to-all returns the slice. Contiguous head blocks keep each query head with its kv head
+as long as nkv divides by sp (checked by ``check_ulysses_heads``).
 """
 
 from __future__ import annotations
@@ -93,3 +99,23 @@ class CoreAttention(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"backend={self.resolved_backend}, dropout={self.dropout}"
+
+
+def check_ulysses_heads(num_query_heads: int, num_kv_heads: int, sp: int) -> None:
+    """Ulysses hands each SP rank whole heads: query and kv heads must both divide by the SP size."""
+    for what, count in (("--num-attention-heads", num_query_heads), ("--num-key-value-heads", num_kv_heads)):
+        if count % sp:
+            raise ValueError(f"{what} {count} is not divisible by --ds-sequence-parallel-size {sp} "
+                             "(Ulysses gives every sequence-parallel rank whole attention heads)")
+
+
+def ulysses(core, group) -> torch.nn.Module:
+    """``core`` (q, k, v [b, s/sp, n, d] -> [b, s/sp, nq, d]) wrapped in DeepSpeed's DistributedAttention.
+
+    Call the result as ``attn(q, k, v, 0)`` (0: the batch dim). Heads are scattered (dim 2), the
+    sequence gathered (dim 1); backward is the conjugate all-to-all, so gradients flow back to the
+    rank that owns each slice.
+    """
+    from deepspeed.sequence.layer import DistributedAttention
+
+    return DistributedAttention(core, group, scatter_idx=2, gather_idx=1)

@@ -26,6 +26,13 @@ For the training loop:
   rows of the full-sequence mask; attention dropout (on this rank's heads) draws from a per-rank
   stream derived from the shared one. Both replay under activation checkpointing.
 - Logits stay in the params dtype; the loss is computed in fp32 chunk by chunk (no full fp32 copy).
+
+DeepSpeed-Ulysses (``GPTModel(config, sp_group=...)``, TP = PP = 1): tokens and labels are this rank's
+contiguous slice [b, s/sp] of the sequence, activations [s/sp, b, h]; positions (learned and rotary)
+are those of the slice (offset sp_rank * s/sp); attention runs through ``attention.ulysses``. The
+per-token loss comes back for the FULL sequence [b, s] on every SP rank (an all-gather whose backward
+keeps this rank's slice), so its mean is the full-sequence mean, and each rank's backward carries
+exactly its own tokens' share: DeepSpeed then sums gradients over SP and averages over DP.
 """
 
 from __future__ import annotations
@@ -38,13 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_ds.model.attention import CoreAttention
+from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulysses
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          seeded_normal, sequence_parallel_dropout, tp_replicated)
-from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, reduce_from_tp, reduce_scatter_sequence,
-                                           tp_rank, tp_size)
+from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
+                                           reduce_scatter_sequence, tp_rank, tp_size)
 from megatron_ds.parallel.random import tp_rank_rng
 
 
@@ -88,11 +95,13 @@ class Norm(nn.Module):
         return F.layer_norm(x, (x.size(-1),), weight, bias, self.eps)
 
 
-def rotary_tables(seq_length: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [s, 1, 1, d] in fp32, computed per call (cheap; no buffer that a later
-    .bfloat16() could round)."""
+def rotary_tables(seq_length: int, head_dim: int, base: float, device,
+                  first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [s, 1, 1, d] in fp32 for positions first .. first + s - 1 (first > 0: a Ulysses
+    slice), computed per call (cheap; no buffer that a later .bfloat16() could round)."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_length, device=device, dtype=torch.float32), inv_freq)
+    positions = torch.arange(first, first + seq_length, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, d], halves rotate together
     return angles.cos(), angles.sin()
 
@@ -109,9 +118,11 @@ class SelfAttention(nn.Module):
 
     The fused QKV weight is [q; k; v] (sizes nq*d, nkv*d, nkv*d); each of the three is split over TP
     on its own, so a rank holds nq/tp query heads and the nkv/tp kv heads they use.
+    With ``sp_group`` (Ulysses) x is this rank's sequence slice and the core runs behind DeepSpeed's
+    DistributedAttention.
     """
 
-    def __init__(self, config: GPTConfig, layer_number: int, group):
+    def __init__(self, config: GPTConfig, layer_number: int, group, sp_group=None):
         super().__init__()
         h, d, tp = config.hidden_size, config.head_dim, tp_size(group)
         q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
@@ -126,6 +137,11 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(h, q_size + 2 * kv_size, splits=[q_size, kv_size, kv_size],
                                         init=_init(config, layer_number, "attention.qkv"), **common)
         self.core = CoreAttention(config.attention_backend, config.attention_dropout, config.params_dtype)
+        self.sp_group = sp_group
+        self.distributed = None
+        if tp_size(sp_group) > 1:
+            check_ulysses_heads(config.num_attention_heads, config.num_key_value_heads, tp_size(sp_group))
+            self.distributed = ulysses(self._local_core, sp_group)
         self.proj = RowParallelLinear(q_size, h, init=_init(config, layer_number, "attention.proj", scaled=True),
                                       **common)
 
@@ -137,17 +153,23 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(s, b, nq, d), k.view(s, b, nkv, d), v.view(s, b, nkv, d)
         if self.rope_base is not None:
             r = self.rotary_dim  # --rotary-percent: only the first r dims of each head rotate
-            cos, sin = rotary_tables(s, r, self.rope_base, x.device)
+            first = tp_rank(self.sp_group) * s  # Ulysses: this slice's place in the sequence
+            cos, sin = rotary_tables(s, r, self.rope_base, x.device, first)
             q, k = (torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1) if r < d
                     else apply_rotary(t, cos, sin) for t in (q, k))
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         # attention dropout acts on this rank's heads only: give it a stream of its own
         with tp_rank_rng(self.group, x.device, enabled=self.training and self.core.dropout > 0):
-            if self.recompute_core and torch.is_grad_enabled():  # selective recompute: keep no [s, s] scores
-                out = checkpoint(self.core, q, k, v, use_reentrant=False)
+            if self.distributed is not None:
+                out = self.distributed(q, k, v, 0)  # all-to-all, core on nq/sp heads, all-to-all back
             else:
-                out = self.core(q, k, v)  # [b, s, nq, d]
+                out = self._local_core(q, k, v)  # [b, s, nq, d]
         return self.proj(out.transpose(0, 1).reshape(s, b, nq * d))
+
+    def _local_core(self, q, k, v) -> torch.Tensor:
+        if self.recompute_core and torch.is_grad_enabled():  # selective recompute: keep no [s, s] scores
+            return checkpoint(self.core, q, k, v, use_reentrant=False)
+        return self.core(q, k, v)
 
 
 class MLP(nn.Module):
@@ -182,14 +204,14 @@ class TransformerLayer(nn.Module):
     ``torch_compile`` its norms, GeLU, dropout and residual adds run as fused kernels.
     """
 
-    def __init__(self, config: GPTConfig, layer_number: int, tp_group=None):
+    def __init__(self, config: GPTConfig, layer_number: int, tp_group=None, sp_group=None):
         super().__init__()
         self.group = group = _checked(config, tp_group)
         self.layer_number = layer_number
         self.sequence_parallel = config.sequence_parallel
         self.dropout = config.hidden_dropout
         self.input_norm = Norm(config, group)
-        self.attention = SelfAttention(config, layer_number, group)
+        self.attention = SelfAttention(config, layer_number, group, sp_group)
         self.post_attention_norm = Norm(config, group)
         self.mlp = MLP(config, layer_number, group)
         self.recompute = recompute_mode(config, layer_number - 1)
@@ -245,12 +267,14 @@ class EmbeddingStage(nn.Module):
     hooks (ZeRO-3 gathers a partitioned weight in them) see the second use of the weight too.
     On the last pipeline stage build it with ``positions=False``: only the word embedding weight
     is tied (``.weight``, what DeepSpeed's tied_weight_attr names). ``tp_group`` splits the
-    vocabulary (None: TP=1).
+    vocabulary (None: TP=1). With ``sp_group`` (Ulysses) tokens are this rank's slice and take the
+    positions of that slice.
     """
 
-    def __init__(self, config: GPTConfig, tp_group=None, positions: bool = True):
+    def __init__(self, config: GPTConfig, tp_group=None, positions: bool = True, sp_group=None):
         super().__init__()
         self.group = _checked(config, tp_group)
+        self.sp_group = sp_group
         self.sequence_parallel = config.sequence_parallel
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
@@ -278,10 +302,10 @@ class EmbeddingStage(nn.Module):
             first = tp_rank(self.group) * x.size(0)
         else:
             x = reduce_from_tp(x, self.group)
-            first = 0
+            first = tp_rank(self.sp_group) * s  # Ulysses: tokens are the slice [first, first + s)
         if self.position_embeddings is not None:
-            if s > self.position_embeddings.size(0):
-                raise ValueError(f"sequence length {s} exceeds --max-position-embeddings "
+            if s * tp_size(self.sp_group) > self.position_embeddings.size(0):
+                raise ValueError(f"sequence length {s * tp_size(self.sp_group)} exceeds --max-position-embeddings "
                                  f"{self.position_embeddings.size(0)}")
             positions = tp_replicated(self.position_embeddings, self.group, self.sequence_parallel)
             x = x + positions[first:first + x.size(0)].unsqueeze(1)
@@ -333,17 +357,22 @@ class GPTModel(nn.Module):
     """EmbeddingStage -> TransformerLayer x L -> FinalNorm -> logits (tied) or OutputHead (untied).
 
     ``tp_group``: the tensor-parallel process group this rank's slice belongs to; None builds the
-    whole model (TP=1), whatever process groups exist.
+    whole model (TP=1), whatever process groups exist. ``sp_group``: the Ulysses group (None: off).
     ``forward(tokens [b, s], labels [b, s] | None)``: per-token loss [b, s] fp32 with labels, else
-    this rank's logits [b, s, V/tp].
+    this rank's logits [b, s, V/tp]. Under Ulysses tokens and labels are this rank's slice [b, s/sp];
+    the loss is still [b, s] (gathered over SP), the logits [b, s/sp, V].
     """
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, sp_group=None):
         super().__init__()
         self.config = config
         self.tp_group = _checked(config, tp_group)
-        self.embedding = EmbeddingStage(config, tp_group)
-        self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group) for n in range(1, config.num_layers + 1))
+        if tp_size(sp_group) > 1 and tp_size(tp_group) > 1:
+            raise ValueError("DeepSpeed-Ulysses (sp_group) runs with TP = 1, as in Megatron-DeepSpeed")
+        self.sp_group = sp_group
+        self.embedding = EmbeddingStage(config, tp_group, sp_group=sp_group)
+        self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group, sp_group)
+                                    for n in range(1, config.num_layers + 1))
         self.final_norm = FinalNorm(config, tp_group)
         self.output_head = None if config.tied_embeddings else OutputHead(config, tp_group)
         # full + uniform recompute with chunks of several layers: one checkpoint per chunk (Megatron's
@@ -372,7 +401,8 @@ class GPTModel(nn.Module):
         logits = self.embedding(hidden, logits=True) if self.output_head is None else self.output_head(hidden)
         if labels is None:
             return logits.transpose(0, 1)
-        return lm_loss(logits, labels, self.tp_group)
+        # Ulysses: [b, s/sp] -> [b, s]; backward keeps this rank's columns (the mean's gradient is replicated)
+        return gather_from_tp(lm_loss(logits, labels, self.tp_group), self.sp_group)
 
 
     def _run_layers(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:

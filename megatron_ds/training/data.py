@@ -4,6 +4,8 @@ Global batch i is samples [i*G, (i+1)*G) of the (already shuffled) GPTDataset. I
 gradient-accumulation steps of micro x DP samples, and DP rank r takes its micro-batch slice of each
 (Megatron's pretraining sampler), so every DP layout sees exactly the same global batch.
 A sample of seq_length+1 tokens gives tokens = sample[:-1] and labels = sample[1:].
+Under DeepSpeed-Ulysses (sp > 1) the SP ranks of a DP rank read the same samples and each keeps its
+contiguous slice [sp_rank * s/sp, (sp_rank + 1) * s/sp) of tokens and labels (Megatron-DeepSpeed's get_batch).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class MicroBatches:
     """Iterator over this DP rank's micro-batches of one global batch: (tokens [b,s], labels [b,s])."""
 
     def __init__(self, dataset, first_sample: int, *, micro_batch_size: int, dp_size: int, dp_rank: int,
-                 accumulation_steps: int, device: torch.device):
+                 accumulation_steps: int, device: torch.device, sp_size: int = 1, sp_rank: int = 0):
         self.dataset, self.first = dataset, first_sample
         self.mbs, self.dp, self.dp_rank, self.steps, self.device = (micro_batch_size, dp_size, dp_rank,
                                                                     accumulation_steps, device)
+        self.sp, self.sp_rank = sp_size, sp_rank
 
     def __len__(self) -> int:
         return self.steps
@@ -47,7 +50,12 @@ class MicroBatches:
             rows = [np.asarray(self.dataset[(start + j) % len(self.dataset)], dtype=np.int64)
                     for j in range(self.mbs)]
             batch = torch.from_numpy(np.stack(rows))  # [b, s+1]
-            tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            tokens, labels = batch[:, :-1], batch[:, 1:]
+            if self.sp > 1:  # Ulysses: this rank's slice of the sequence (validation made s divisible)
+                part = tokens.size(1) // self.sp
+                cols = slice(self.sp_rank * part, (self.sp_rank + 1) * part)
+                tokens, labels = tokens[:, cols], labels[:, cols]
+            tokens, labels = tokens.contiguous(), labels.contiguous()
             if self.device.type == "cuda":
                 # From pinned memory the copy is asynchronous: a pageable one would make the host wait
                 # for all queued GPU work (a synchronisation per micro-batch).

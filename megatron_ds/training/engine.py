@@ -3,7 +3,8 @@
 PP > 1: DeepSpeed's PipelineModule from the model's stage specs (tied embeddings via TiedLayerSpec,
 PipeModelDataParallelTopology in the same rank order as megatron_ds.parallel.state) and its pipeline
 engine (ZeRO-0/1). PP = 1: the plain GPTModel on a plain DeepSpeed engine (ZeRO 0-3), which is also
-what --no-pipeline-parallel asks for.
+what --no-pipeline-parallel asks for. Ulysses (--ds-sequence-parallel-size, PP = TP = 1): the GPTModel
+gets the SP group; DeepSpeed learns it from our mpu and reduces (ZeRO: partitions) over DP x SP.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     # DeepSpeed's comm layer wraps the process group that parallel.state created (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     # 1. the model (TP-sliced layers for this rank's TP group)
-    module = pipeline_module(config, state) if pipelined else GPTModel(config, tp_group=state.tp_group)
+    module = (pipeline_module(config, state) if pipelined
+              else GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
     module = precision.wrap_model(module)
     # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)

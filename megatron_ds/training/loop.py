@@ -193,7 +193,8 @@ class Trainer:
             # One process: an in-memory store, so no TCP port is needed (nor can collide with another job).
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend,
-                                     timeout_minutes=args.distributed_timeout_minutes)
+                                     timeout_minutes=args.distributed_timeout_minutes,
+                                     sp=args.ds_sequence_parallel_size)
         # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
         torch.manual_seed(args.seed + 100 * self.parallel.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
@@ -204,7 +205,8 @@ class Trainer:
         built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
         s = self.parallel
-        _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}, "
+        ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
+        _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
              f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
              f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
              f"device {self.device.type}")
@@ -241,7 +243,7 @@ class Trainer:
         a = self.args
         return MicroBatches(dataset, first_sample, micro_batch_size=a.micro_batch_size, dp_size=self.parallel.dp_size,
                             dp_rank=self.parallel.dp_rank, accumulation_steps=a.gradient_accumulation_steps,
-                            device=self.device)
+                            device=self.device, sp_size=self.parallel.sp_size, sp_rank=self.parallel.sp_rank)
 
     # -- steps --------------------------------------------------------------------------------------------
 

@@ -327,3 +327,12 @@ def test_flash2_equals_sdpa_on_gpu():
         loss.mean().backward()
         runs[backend] = (loss.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()})
     assert_same_run(runs["flash2"], runs["sdpa"], "flash2 vs sdpa (bf16)", rel=2e-2)
+
+
+def test_rotary_tables_of_a_slice_are_the_full_tables_rows():
+    """Ulysses: a rank holding positions [first, first + s) rotates with exactly those rows."""
+    from megatron_ds.model.gpt import rotary_tables
+
+    cos, sin = rotary_tables(16, 8, 10000, "cpu")
+    cos_part, sin_part = rotary_tables(4, 8, 10000, "cpu", first=8)
+    assert torch.equal(cos_part, cos[8:12]) and torch.equal(sin_part, sin[8:12])

@@ -199,7 +199,8 @@ def test_cli_returns_2_with_the_message(files, capsys):
     from megatron_ds.training.cli import main
 
     assert main(base(files, "--ds-sequence-parallel-size", "2")) == 2
-    assert "error: --ds-sequence-parallel-size: 2: DeepSpeed-Ulysses" in capsys.readouterr().err
+    assert ("error: --ds-sequence-parallel-size: world size 1 is not divisible by --ds-sequence-parallel-size 2"
+            in capsys.readouterr().err)
     if visible_gpus() == 0:
         assert main(base(files, "--fp16")) == 2
         assert "error: --fp16: DeepSpeed supports fp16 only on GPUs" in capsys.readouterr().err
@@ -215,3 +216,28 @@ def test_help_lists_megatron_flags(capsys):
     for flag in ("--tensor-model-parallel-size", "--deepspeed_config", "--use-flash-attn-v2", "--preset",
                  "--metrics-file", "--no-masked-softmax-fusion"):
         assert flag in out
+
+
+def test_alcf_ulysses_size_from_sp_or_spsize(files):
+    """ALCF/helpers.sh: SP=N (N >= 2) adds --ds-sequence-parallel-size N; older scripts say SP_TYPE=ds SPSIZE=N."""
+    argv = base(files)
+    for env, size in (({"SP_TYPE": "ds", "SP": "2"}, 2), ({"SP_TYPE": "ds", "SPSIZE": "4"}, 4), ({"SP": "2"}, 2),
+                      ({}, 1), ({"SP_TYPE": "megatron"}, 1)):
+        args = parse_args(argv, env=env)
+        assert args.ds_sequence_parallel_size == size, env
+    args = parse_args(base(files, "--ds-sequence-parallel-size", "4"), env={"SP_TYPE": "ds", "SP": "2"})
+    assert args.ds_sequence_parallel_size == 4  # the flag wins
+    validate(args, 8)
+    assert args.data_parallel_size == 2 and args.gradient_accumulation_steps == 1 and args.global_batch_size == 4
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv, env={"SP_TYPE": "ulysses"})
+    assert err.value.flag == "SP_TYPE"
+
+
+def test_ulysses_rules_name_the_flag(files):
+    check(files, ["--ds-sequence-parallel-size", "2", "--seq-length", "63", "--max-position-embeddings", "64"], 2,
+          "--ds-sequence-parallel-size", "2 does not divide --seq-length 63")
+    check(files, ["--ds-sequence-parallel-size", "2", "--num-attention-heads", "8", "--num-key-value-heads", "1"], 2,
+          "--ds-sequence-parallel-size", "--num-key-value-heads 1 is not divisible by --ds-sequence-parallel-size 2")
+    check(files, ["--ds-sequence-parallel-size", "2", "--torch-compile"], 2, "--torch-compile",
+          "not supported with --ds-sequence-parallel-size 2")

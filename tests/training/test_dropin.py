@@ -17,8 +17,7 @@ from megatron_ds.runtime.bootstrap import visible_gpus
 from megatron_ds.training.arguments import ConfigError, parse_args, validate
 
 ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
-REFUSED = {"seq_parallel_gpt_1.3B_32k": ("--ds-sequence-parallel-size", "DeepSpeed-Ulysses sequence parallelism "
-                                                                       "is not supported by mds yet")}
+REFUSED: dict[str, tuple[str, str]] = {}  # name -> (flag, why): none since Ulysses exists (issue 19)
 FP16_ON_CPU = "DeepSpeed supports fp16 only on GPUs"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK")

@@ -23,7 +23,7 @@ ITERS = 5
 REL = 1e-5
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MODEL_SIZE_KEY", "SEQ_LEN",
-               "MICRO_BATCH", "GAS", "ZERO_STAGE", "PPSIZE", "MPSIZE", "USE_FLASH_ATTN_V2", "SP_TYPE")
+               "MICRO_BATCH", "GAS", "ZERO_STAGE", "PPSIZE", "MPSIZE", "USE_FLASH_ATTN_V2", "SP_TYPE", "SP", "SPSIZE")
 
 
 def clean_env() -> dict[str, str]:
@@ -166,7 +166,8 @@ def test_llama_tp2_matches_tp1(tmp_path_factory, demo_corpus, llama_baseline):
 @pytest.mark.parametrize("extra, flag, text", [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--nproc-per-node", "1"],
      "--tensor-model-parallel-size", "world size 1 is not divisible"),
-    (["--ds-sequence-parallel-size", "2"], "--ds-sequence-parallel-size", "DeepSpeed-Ulysses"),
+    (["--ds-sequence-parallel-size", "2"], "--ds-sequence-parallel-size",
+     "world size 1 is not divisible by --ds-sequence-parallel-size 2"),
     (["--zero-stage", "2", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"], "--zero-stage",
      "cannot be combined with pipeline parallelism"),
     (["--no-such-flag"], "--no-such-flag", "unknown or unsupported flag"),

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT with tensor/sequence/pipeline/data parallelism and ZeRO. Flags follow "
         "Megatron-DeepSpeed's pretrain_gpt.py; a launch script only needs `python pretrain_gpt.py` replaced "
         "by `entrypoint train`. Precedence: flag > ALCF env (MODEL_SIZE_KEY, SEQ_LEN, MICRO_BATCH, GAS, "
-        "ZERO_STAGE, PPSIZE, MPSIZE, USE_FLASH_ATTN_V2, SP_TYPE) > --preset > default.",
+        "ZERO_STAGE, PPSIZE, MPSIZE, USE_FLASH_ATTN_V2, SP_TYPE, SP/SPSIZE) > --preset > default.",
     )
     g = p.add_argument_group("model")
     g.add_argument("--preset", help=f"named model size; explicit flags win. One of: {', '.join(PRESETS)}")
@@ -149,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=1)
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dimensions that rotary embeddings rotate")
-    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
-                   help="DeepSpeed-Ulysses sequence parallelism: only 1 (off) in mds")
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=None,
+                   help="DeepSpeed-Ulysses sequence parallelism: split each sequence over N ranks (taken from "
+                        "data parallelism; TP = PP = 1; heads divisible by N). Default 1 (off), or SP/SPSIZE "
+                        "from the ALCF environment")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's sharded optimizer state: ZeRO-1 here (a notice says so)")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",

@@ -22,7 +22,11 @@ ALCF_INTEGERS = [("seq_length", "SEQ_LEN"), ("micro_batch_size", "MICRO_BATCH"),
 DEFAULTS = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
                 untie_embeddings_and_output_weights=False, disable_bias_linear=False, bf16=False, fp16=False,
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_flash_attn_v2=False,
-                sequence_parallel=False)
+                sequence_parallel=False, ds_sequence_parallel_size=1)
+
+# The Ulysses size in ALCF's scripts: SP (ALCF/helpers.sh: SP >= 2 adds --ds-sequence-parallel-size $SP),
+# SPSIZE (the older benchmarking scripts, beside SP_TYPE=ds).
+ALCF_ULYSSES_SIZE = ("SPSIZE", "SP")
 
 # DeepSpeed config keys that stand in for a flag left open: (key, flag, dest). rules.py checks agreement.
 DS_CONFIG_BATCH = [("train_micro_batch_size_per_gpu", "--micro-batch-size", "micro_batch_size"),
@@ -67,9 +71,18 @@ def _from_alcf_environment(args: argparse.Namespace, env: Mapping[str, str]) -> 
     if args.use_flash_attn_v2 is None and env.get("USE_FLASH_ATTN_V2") and _truthy(env["USE_FLASH_ATTN_V2"]):
         args.use_flash_attn_v2 = True
     sp_type = env.get("SP_TYPE", "").strip().lower()
-    if sp_type == "ds":
-        raise ConfigError("SP_TYPE", "DeepSpeed-Ulysses sequence parallelism (SP_TYPE=ds) is not supported by mds; "
-                          "use SP_TYPE=megatron or unset it")
+    if sp_type not in ("", "ds", "megatron"):
+        raise ConfigError("SP_TYPE", f"must be ds (DeepSpeed-Ulysses) or megatron, got {env['SP_TYPE']!r}")
+    size_var = next((name for name in ALCF_ULYSSES_SIZE if env_int(name) is not None), None)
+    size = env_int(size_var) if size_var else None
+    if sp_type == "ds" and size is None and args.ds_sequence_parallel_size is None:
+        raise ConfigError("SP_TYPE", "SP_TYPE=ds needs the Ulysses size: set SP (or SPSIZE), or pass "
+                          "--ds-sequence-parallel-size")
+    if sp_type == "megatron" and size is not None and size > 1:
+        raise ConfigError(size_var, f"{size_var}={size} asks for DeepSpeed-Ulysses but SP_TYPE=megatron; "
+                          "use SP_TYPE=ds, or unset it")
+    if args.ds_sequence_parallel_size is None and size is not None:
+        args.ds_sequence_parallel_size = size
     args.sequence_parallel_env = sp_type == "megatron"
 
 
