@@ -102,7 +102,8 @@ def convert(load: Path, to: Path, flags: list[str], code: int = 0) -> subprocess
 
 
 @pytest.mark.parametrize("source,target", [("tp2", "single"), ("pp2", "tp2"), ("zero2", "single-zero1"),
-                                           ("single", "pp2"), ("tp2", "zero2"), ("zero2", "zero3")])
+                                           ("single", "pp2"), ("tp2", "zero2"), ("zero2", "zero3"),
+                                           ("zero3", "tp2")])
 def test_resume_at_another_layout_continues_the_reference(source, target, reference, first_half, demo_corpus,
                                                           tmp_path):
     start = time.time()

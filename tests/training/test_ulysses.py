@@ -157,3 +157,22 @@ def test_alcf_sp_type_ds_with_sp_variable_runs_ulysses(tmp_path_factory, demo_co
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "x SP 2 (Ulysses)" in result.stdout
+
+
+def test_ulysses_is_refused_at_validation_where_deepspeed_cannot_run_it(demo_corpus):
+    """On a stack whose DeepSpeed sequence layer does not import (DeepSpeed 0.19.8 on torch 2.1: make
+    test-torch21), the flag is exit 2 naming why, before any rank starts; elsewhere it validates."""
+    from megatron_ds.training.arguments import parse_args, validate
+    from megatron_ds.training.arguments.rules import ulysses_unavailable
+
+    argv = [*GPT, *data_flags(demo_corpus), "--micro-batch-size", "2", "--train-iters", "5", "--lr", "1e-3",
+            "--ds-sequence-parallel-size", "2"]
+    why = ulysses_unavailable()
+    if why is None:
+        validate(parse_args(argv, env={}), 2)
+        return
+    result = subprocess.run([ENTRYPOINT, "train", *argv, "--nproc-per-node", "2"], env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "error: --ds-sequence-parallel-size: 2: DeepSpeed-Ulysses cannot run here: deepspeed.sequence.layer" \
+        in result.stderr

@@ -170,6 +170,22 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
     if args.torch_compile:
         raise ConfigError("--torch-compile", f"not supported with --ds-sequence-parallel-size {sp} (DeepSpeed's "
                           "all-to-all inside a compiled layer is untested in mds)")
+    if (why := ulysses_unavailable()) is not None:
+        raise ConfigError("--ds-sequence-parallel-size", f"{sp}: DeepSpeed-Ulysses cannot run here: {why}")
+
+
+def ulysses_unavailable() -> str | None:
+    """Why DeepSpeed's sequence-parallel attention cannot be imported here (None when it can): DeepSpeed
+    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op)."""
+    try:
+        from deepspeed.sequence.layer import DistributedAttention  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
+        import deepspeed
+        import torch
+
+        return (f"deepspeed.sequence.layer does not import with DeepSpeed {deepspeed.__version__} and torch "
+                f"{torch.__version__} ({type(err).__name__}: {err})")
+    return None
 
 
 def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
