@@ -179,6 +179,28 @@ stage_fp8loss() {  # the FP8 stage's second half: 300-step loss comparison, the 
   fi
 }
 
+stage_defaults() {  # issue 15, one GPU, one call: GPT-1.3B with the default flags (dropout 0.1, global batch =
+  # micro batch 16) eager and compiled, DeepSpeed as released then with patches/deepspeed (bf16 step with no host
+  # read of the norm), compile + dropout 0 + global batch 128, the compiled plain-PyTorch reference, and what
+  # attention dropout costs in each SDPA backend. Carry .whl/ (DeepSpeed wheel + reference_gpt.py).
+  local S="--steps 20 --warmup-steps 5" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  t 90 $PYTHON bench/probe_kernels.py --seq-lengths 2048 --attention-dropout 0,0.1 --out "$OUT/probe_attention_dropout.json"
+  if [ -f .whl/reference_gpt.py ]; then
+    OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_defaults.json" 2>/dev/null
+  fi
+  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_compile_ds_released -- $M --torch-compile
+  ds_patches
+  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_compile_ds_patched -- $M --torch-compile
+  t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_eager_ds_patched -- $M
+  t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_ds_patched -- $M \
+    --torch-compile --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
+}
+
+ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
+  $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
