@@ -197,6 +197,15 @@ stage_defaults() {  # issue 15, one GPU, one call: GPT-1.3B with the default fla
     --torch-compile --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
 }
 
+stage_defaults_profile() {  # where a default-flags GPT-1.3B step goes now (patched DeepSpeed): phases and kernels
+  local M="$GPT13 --micro-batch-size 16 --zero-stage 1" P="$PYTHON bench/profile_train.py"
+  ds_patches
+  t 150 $P --variant compile --out "$LOGS/defaults_profile_compile.txt" -- $M
+  t 150 $P --variant compile+nodrop --out "$LOGS/defaults_profile_compile_nodrop.txt" -- $M
+  t 120 $P --no-profile --variant compile+igu --out "$LOGS/defaults_profile_compile_igu.txt" -- $M
+  cp "$LOGS"/defaults_profile_* "$OUT"/ 2>/dev/null
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
