@@ -1,8 +1,10 @@
-"""patches/deepspeed/0002: the bf16 optimizer's step without host reads of the gradient norm.
+"""patches/deepspeed/0002 and 0003: bf16 optimizer steps without host reads of the gradient norm.
 
-The patched step must be the same step: a real DeepSpeed bf16 ZeRO-1 engine (one gloo process, torch's
-fused AdamW, clipping active) gives bit-identical weights with and without the patch, and a step whose
-gradient is not finite moves nothing, reports the norm as inf and leaves AdamW's step count alone.
+The patched step must be the same step: a real DeepSpeed bf16 engine (one gloo process, torch's fused
+AdamW, clipping active) gives bit-identical weights with and without the patches, for each optimizer
+DeepSpeed picks for bf16 (BF16_Optimizer with fp32 gradient accumulation; DeepSpeedZeroOptimizer at
+ZeRO-1 and ZeRO-2, what mds runs), and a step whose gradient is not finite moves nothing, reports the norm
+as inf and leaves AdamW's step count alone.
 The patched copy of the installed DeepSpeed is made with patches/apply in a temporary folder.
 """
 
@@ -27,8 +29,9 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
 config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
-          "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
-          "data_types": {"grad_accum_dtype": "fp32"}}
+          "bf16": {"enabled": True}, "zero_optimization": {"stage": int(os.environ["ZERO"])}}
+if os.environ["ACCUM"] == "fp32":
+    config["data_types"] = {"grad_accum_dtype": "fp32"}
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 x = torch.randn(5, 8, 16)
 out = {"device_path": None, "steps": []}
@@ -39,7 +42,9 @@ for i in range(5):
     loss = engine(batch).float().pow(2).mean()
     engine.backward(loss)
     engine.step()
-    master = engine.optimizer.fp32_groups_flat_partition[0]
+    opt_ = engine.optimizer
+    master = (opt_.fp32_groups_flat_partition if hasattr(opt_, "fp32_groups_flat_partition")
+              else opt_.single_partition_of_fp32_groups)[0]
     state = engine.optimizer.optimizer.state.get(master, {})
     out["steps"].append({"norm": float(engine.get_global_grad_norm()),
                          "weights": master.detach().tolist(),
@@ -64,8 +69,9 @@ def patched_site(tmp_path_factory) -> Path:
     return site
 
 
-def run_driver(tmp_path: Path, site: Path | None) -> dict:
+def run_driver(tmp_path: Path, site: Path | None, zero: int, accum: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(ZERO=str(zero), ACCUM=accum)
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29633")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site) if site else "", env.get("PYTHONPATH", "")) if p)
     result = subprocess.run([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, capture_output=True,
@@ -75,10 +81,12 @@ def run_driver(tmp_path: Path, site: Path | None) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def test_patched_bf16_step_is_the_same_step_without_host_reads(patched_site, tmp_path):
-    plain = run_driver(tmp_path, None)
-    patched = run_driver(tmp_path, patched_site)
-    assert plain["optimizer"] == patched["optimizer"] == "BF16_Optimizer"
+@pytest.mark.parametrize("zero,accum,optimizer", [(1, "fp32", "BF16_Optimizer"), (1, "bf16", "DeepSpeedZeroOptimizer"),
+                                                  (2, "bf16", "DeepSpeedZeroOptimizer")])
+def test_patched_bf16_step_is_the_same_step_without_host_reads(patched_site, tmp_path, zero, accum, optimizer):
+    plain = run_driver(tmp_path, None, zero, accum)
+    patched = run_driver(tmp_path, patched_site, zero, accum)
+    assert plain["optimizer"] == patched["optimizer"] == optimizer
     assert plain["device_path"] is False and patched["device_path"] is True
     for i, (a, b) in enumerate(zip(plain["steps"], patched["steps"])):
         assert a["weights"] == b["weights"], f"step {i}: weights differ"
