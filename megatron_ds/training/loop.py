@@ -313,12 +313,18 @@ class Trainer:
         norm = float(norm)
         return norm if math.isfinite(norm) else float("nan")
 
+    def _skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient: DeepSpeed's count, plus those our patched bf16 optimizers
+        skip on the device (patches/deepspeed 0002/0003: counted there, read here at log points only)."""
+        on_device = getattr(self.engine.optimizer, "skipped_on_device", None)
+        return self.engine.skipped_steps + (int(on_device) if on_device is not None else 0)
+
     def _log_train(self, st: TrainState, lr: float, losses: LossSinceLastLog, timer: IntervalTimer) -> None:
         """The log line of the steps since the last one: mean loss and step time."""
         step_time = timer.take() / losses.steps
         rank_times = RankTimes(gather(self.own_work.take() / losses.steps, self.device)) if self.own_work.enabled \
             else None  # one all_gather per log point
-        loss, skipped = losses.take(self.engine.skipped_steps)
+        loss, skipped = losses.take(self._skipped_steps())
         stats = StepStats(st.iteration, st.consumed_train_samples, loss, lr, self._grad_norm(),
                           self._loss_scale(), step_time, rank_times)
         self.metrics.log_train(stats, skipped=skipped)
@@ -328,7 +334,7 @@ class Trainer:
         self.setup()
         st = TrainState()  # the loop's position; self.parallel is the TP/PP/DP layout
         self.checkpointer.load(st)
-        losses = LossSinceLastLog(self.device, self.engine.skipped_steps)
+        losses = LossSinceLastLog(self.device, self._skipped_steps())
         timer = IntervalTimer(self.device)
         reason = None
         try:
