@@ -180,11 +180,10 @@ stage_fp8loss() {  # the FP8 stage's second half: 300-step loss comparison, the 
 }
 
 stage_defaults() {  # issue 15, one GPU, one call: GPT-1.3B with the default flags (dropout 0.1, global batch =
-  # micro batch 16) eager and compiled, DeepSpeed as released then with patches/deepspeed (bf16 step with no host
-  # read of the norm), compile + dropout 0 + global batch 128, the compiled plain-PyTorch reference, and what
-  # attention dropout costs in each SDPA backend. Carry .whl/ (DeepSpeed wheel + reference_gpt.py).
+  # micro batch 16), compiled, with DeepSpeed as released and then with patches/deepspeed (bf16 steps with no
+  # host read of the norm); eager; compile + dropout 0 + global batch 128; the phases of a step; the compiled
+  # plain-PyTorch reference. Carry .whl/ (DeepSpeed wheel + reference_gpt.py).
   local S="--steps 20 --warmup-steps 5" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
-  t 90 $PYTHON bench/probe_kernels.py --seq-lengths 2048 --attention-dropout 0,0.1 --out "$OUT/probe_attention_dropout.json"
   if [ -f .whl/reference_gpt.py ]; then
     OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
     cp "$LOGS/anchor.json" "$OUT/reference_gpt_defaults.json" 2>/dev/null
@@ -195,6 +194,8 @@ stage_defaults() {  # issue 15, one GPU, one call: GPT-1.3B with the default fla
   t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_eager_ds_patched -- $M
   t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_ds_patched -- $M \
     --torch-compile --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
+  t 120 $PYTHON bench/profile_train.py --no-profile --variant compile --out "$LOGS/defaults_phases_patched.txt" -- $M
+  cp "$LOGS"/defaults_phases_* "$OUT"/ 2>/dev/null
 }
 
 stage_defaults_profile() {  # where a default-flags GPT-1.3B step goes now (patched DeepSpeed): phases and kernels
