@@ -162,11 +162,16 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
     if args.seq_length % sp:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp} does not divide --seq-length {args.seq_length} "
                           "(every sequence-parallel rank holds an equal slice)")
-    if args.zero_stage == 3:
-        # Found by tests/training/test_ulysses.py: SP 2 + ZeRO-3 trains with a wrong gradient (iteration-1 norm
-        # 1.31 against 2.29 single-process) while ZeRO-0/1/2 match within 1e-7. Refused until understood.
-        raise ConfigError("--zero-stage", f"ZeRO-3 with --ds-sequence-parallel-size {sp} is not supported yet (its "
-                          "gradients do not match the single-process run); use ZeRO-0, 1 or 2")
+    zero_file = (args.ds_config_file or {}).get("zero_optimization") or {}
+    if args.zero_stage == 3 and zero_file.get("reduce_scatter") is False:
+        # training/ulysses_zero.py: the backward scale that makes ZeRO-3 average over DP only is right for
+        # stage 3's reduce-scatter path; its all-reduce path divides differently.
+        raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 needs zero_optimization.reduce_scatter "
+                          f"on, and {args.deepspeed_config} sets it false; remove it or set it true")
+    if args.zero_stage == 3 and zero_file.get("zero_quantized_gradients"):
+        raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 is not combined with "
+                          f"zero_optimization.zero_quantized_gradients ({args.deepspeed_config}): its all-to-all "
+                          "reduction spans the whole world, not the data x sequence parallel group")
     if args.torch_compile:
         raise ConfigError("--torch-compile", f"not supported with --ds-sequence-parallel-size {sp} (DeepSpeed's "
                           "all-to-all inside a compiled layer is untested in mds)")
