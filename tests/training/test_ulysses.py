@@ -83,6 +83,22 @@ def test_gpt_ulysses2_matches_single_process(tmp_path_factory, demo_corpus, gpt_
     assert_same_grad_norms(run, gpt_single)
 
 
+@pytest.fixture(scope="module")
+def gpt_dropout_single(tmp_path_factory, demo_corpus):
+    return run_train(tmp_path_factory, demo_corpus, "u_gpt_dropout_single", GPT, ["--hidden-dropout", "0.1"])
+
+
+def test_gpt_ulysses2_matches_single_process_with_hidden_dropout(tmp_path_factory, demo_corpus, gpt_dropout_single,
+                                                                 gpt_single):
+    """Hidden dropout keeps each slice's rows of the full-sequence mask: the single process's masks, so the curve
+    matches with --hidden-dropout 0.1 too (attention dropout, on each rank's own heads, cannot; it stays 0)."""
+    run = run_train(tmp_path_factory, demo_corpus, "u_gpt_dropout_sp2", GPT,
+                    ["--hidden-dropout", "0.1", "--ds-sequence-parallel-size", "2", "--zero-stage", "1"], nproc=2)
+    assert run["train"][0]["lm_loss"] != gpt_single["train"][0]["lm_loss"]  # the dropout did act
+    assert_same_losses(run, gpt_dropout_single)
+    assert_same_grad_norms(run, gpt_dropout_single)
+
+
 @pytest.mark.parametrize("zero", ["0", "1"])
 def test_llama_ulysses2_matches_single_process(tmp_path_factory, demo_corpus, llama_single, zero):
     """Rotary positions at the slice's offsets; grouped-query attention (4 heads, 2 kv heads: one kv head per
