@@ -115,6 +115,7 @@ def test_gpt_ulysses4_matches_single_process(tmp_path_factory, demo_corpus, gpt_
                     ["--ds-sequence-parallel-size", "4", "--zero-stage", "1"], nproc=4)
     assert "TP 1 x PP 1 x DP 1 x SP 4 (Ulysses), ZeRO-1" in run["stdout"]
     assert_same_losses(run, gpt_single)
+    assert_same_grad_norms(run, gpt_single)
 
 
 def test_llama_ulysses4_matches_single_process(tmp_path_factory, demo_corpus, llama_gqa8_single):

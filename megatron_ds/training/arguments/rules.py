@@ -180,17 +180,32 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
 
 
 def ulysses_unavailable() -> str | None:
-    """Why DeepSpeed's sequence-parallel attention cannot be imported here (None when it can): DeepSpeed
-    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op)."""
-    try:
-        from deepspeed.sequence.layer import DistributedAttention  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
-        import deepspeed
-        import torch
+    """Why DeepSpeed's sequence-parallel attention cannot run mds's Ulysses here (None when it can): DeepSpeed
+    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op); DeepSpeed < 0.15 (0.13.1 in
+    the MS-AMP image) has DistributedAttention without the batch_dim_idx our call passes."""
+    import deepspeed
+    import torch
 
+    try:
+        from deepspeed.sequence.layer import DistributedAttention
+    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
         return (f"deepspeed.sequence.layer does not import with DeepSpeed {deepspeed.__version__} and torch "
                 f"{torch.__version__} ({type(err).__name__}: {err})")
-    return None
+    import inspect
+
+    return distributed_attention_unfit(inspect.signature(DistributedAttention.forward).parameters,
+                                       deepspeed.__version__)
+
+
+def distributed_attention_unfit(forward_parameters, deepspeed_version: str) -> str | None:
+    """Why a DistributedAttention whose forward takes ``forward_parameters`` (names) cannot run our call (None:
+    it can). mds calls ``attn(q, k, v, 0)`` with batch-first [b, s/sp, n, d] tensors and batch_dim_idx 0
+    (model/attention.py); before DeepSpeed 0.15 forward(query, key, value, *args) has no batch_dim_idx, hands
+    the 0 on to our attention core and its all-to-all assumes sequence-first tensors."""
+    if "batch_dim_idx" in forward_parameters:
+        return None
+    return (f"DeepSpeed {deepspeed_version}'s deepspeed.sequence.layer.DistributedAttention.forward has no "
+            "batch_dim_idx (added in DeepSpeed 0.15.0), which mds's batch-first attention needs")
 
 
 def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
