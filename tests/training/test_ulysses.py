@@ -146,9 +146,11 @@ def _resume_pair(tmp_path_factory, demo_corpus, name, first_extra, second_extra)
     return first, second
 
 
-def test_ulysses_checkpoint_resumes_exactly(tmp_path_factory, demo_corpus, gpt_single):
-    sp = ["--ds-sequence-parallel-size", "2", "--zero-stage", "1"]
-    first, second = _resume_pair(tmp_path_factory, demo_corpus, "u_resume", sp, sp)
+@pytest.mark.parametrize("zero", ["1", "3"])
+def test_ulysses_checkpoint_resumes_exactly(tmp_path_factory, demo_corpus, gpt_single, zero):
+    """ZeRO-3: the partitions over DP x SP (ulysses_zero) save and load like DeepSpeed's own."""
+    sp = ["--ds-sequence-parallel-size", "2", "--zero-stage", zero]
+    first, second = _resume_pair(tmp_path_factory, demo_corpus, f"u_resume_zero{zero}", sp, sp)
     assert [r["iteration"] for r in first["train"]] == [1, 2, 3]
     assert [r["iteration"] for r in second["train"]] == [4, 5]
     whole = {"train": first["train"] + second["train"], "eval": [], "dir": second["dir"]}
