@@ -26,7 +26,7 @@ def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
     })
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = args.zero_stage
-    if ulysses_zero.applies(args.zero_stage, args.ds_sequence_parallel_size):
+    if ulysses_zero.applies(args.zero_stage, getattr(args, "ds_sequence_parallel_size", 1) or 1):
         zero["reduce_scatter"] = True  # the one reduction path its backward scale is right for (ulysses_zero.py)
     config["zero_optimization"] = zero
     for section, ours in precision.deepspeed_config().items():
