@@ -4,7 +4,8 @@ PP > 1: DeepSpeed's PipelineModule from the model's stage specs (tied embeddings
 PipeModelDataParallelTopology in the same rank order as megatron_ds.parallel.state) and its pipeline
 engine (ZeRO-0/1). PP = 1: the plain GPTModel on a plain DeepSpeed engine (ZeRO 0-3), which is also
 what --no-pipeline-parallel asks for. Ulysses (--ds-sequence-parallel-size, PP = TP = 1): the GPTModel
-gets the SP group; DeepSpeed learns it from our mpu and reduces (ZeRO: partitions) over DP x SP.
+gets the SP group; DeepSpeed learns it from our mpu and reduces (ZeRO: partitions) over DP x SP; under
+ZeRO-3 we partition the module over DP x SP ourselves and scale the backward (training/ulysses_zero.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
 from megatron_ds.training.lr_schedule import ScheduledLR
 from megatron_ds.training.lr_schedule import from_args as schedule_from_args
+from megatron_ds.training.ulysses_zero import backward_scale, partition_over_sequence_data_parallel
 
 
 def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfig:
@@ -142,6 +144,7 @@ class Built:
     pipelined: bool
     config: GPTConfig
     attention_backend: str
+    backward_scale: float = 1.0  # on the loss given to engine.backward (ZeRO-3 under Ulysses: SP)
 
 
 def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
@@ -160,11 +163,12 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     ds_config = build_ds_config(args, precision, on_cpu=not torch.cuda.is_available())
     optimizer = lr_scheduler = None
     own_lr = not scheduler_from_config(ds_config)
+    param_groups = _param_groups(module, args.weight_decay)  # by shape: before any ZeRO-3 partitioning
     if not optimizer_from_config(ds_config):
         kwargs = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         if torch.cuda.is_available():
             kwargs["fused"] = True
-        optimizer = AdamW(_param_groups(module, args.weight_decay), **kwargs)
+        optimizer = AdamW(param_groups, **kwargs)
         if args.zero_stage == 0 and precision.name == "fp32":
             optimizer.norm_fn = grad_norm_fn(module, state, pipelined)
             optimizer.max_norm = args.clip_grad
@@ -178,10 +182,13 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     if own_lr:
         lr_scheduler = (ScheduledLR(optimizer, schedule, apply_now=False) if optimizer is not None
                         else (lambda opt: ScheduledLR(opt, schedule)))
+    scale = backward_scale(args.zero_stage, state.sp_size)
+    if scale != 1.0:
+        partition_over_sequence_data_parallel(module, state, ds_config)
     # 4. DeepSpeed: the pipeline engine takes its grid from the PipelineModule, the plain one our mpu
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
-        model_parameters=None if optimizer is not None else _param_groups(module, args.weight_decay),
+        model_parameters=None if optimizer is not None else param_groups,
         mpu=None if pipelined else state.mpu(), dist_init_required=False)
     if optimizer is not None:
         if optimizer.state:
@@ -193,7 +200,7 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
         else:
             for group in optimizer.param_groups:
                 group["lr"] = args.lr
-    return Built(engine, pipelined, config, _resolved_backend(module))
+    return Built(engine, pipelined, config, _resolved_backend(module), scale)
 
 
 def _resolved_backend(module: torch.nn.Module) -> str:

@@ -204,6 +204,7 @@ class Trainer:
         self.precision = precision_from_args(args)
         built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
+        self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
@@ -268,7 +269,7 @@ class Trainer:
         for tokens, labels in self.own_work.batches(batches):
             loss = self.engine(tokens, labels).mean()
             self.own_work.forward_done()
-            self.engine.backward(loss)
+            self.engine.backward(loss * self.backward_scale if self.backward_scale != 1.0 else loss)
             self.engine.step()
             total += loss.detach().float()
         return self._dp_mean(total / len(batches))

@@ -162,11 +162,16 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
     if args.seq_length % sp:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp} does not divide --seq-length {args.seq_length} "
                           "(every sequence-parallel rank holds an equal slice)")
-    if args.zero_stage == 3:
-        # Found by tests/training/test_ulysses.py: SP 2 + ZeRO-3 trains with a wrong gradient (iteration-1 norm
-        # 1.31 against 2.29 single-process) while ZeRO-0/1/2 match within 1e-7. Refused until understood.
-        raise ConfigError("--zero-stage", f"ZeRO-3 with --ds-sequence-parallel-size {sp} is not supported yet (its "
-                          "gradients do not match the single-process run); use ZeRO-0, 1 or 2")
+    zero_file = (args.ds_config_file or {}).get("zero_optimization") or {}
+    if args.zero_stage == 3 and zero_file.get("reduce_scatter") is False:
+        # training/ulysses_zero.py: the backward scale that makes ZeRO-3 average over DP only is right for
+        # stage 3's reduce-scatter path; its all-reduce path divides differently.
+        raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 needs zero_optimization.reduce_scatter "
+                          f"on, and {args.deepspeed_config} sets it false; remove it or set it true")
+    if args.zero_stage == 3 and zero_file.get("zero_quantized_gradients"):
+        raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 is not combined with "
+                          f"zero_optimization.zero_quantized_gradients ({args.deepspeed_config}): its all-to-all "
+                          "reduction spans the whole world, not the data x sequence parallel group")
     if args.torch_compile:
         raise ConfigError("--torch-compile", f"not supported with --ds-sequence-parallel-size {sp} (DeepSpeed's "
                           "all-to-all inside a compiled layer is untested in mds)")
@@ -175,17 +180,32 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
 
 
 def ulysses_unavailable() -> str | None:
-    """Why DeepSpeed's sequence-parallel attention cannot be imported here (None when it can): DeepSpeed
-    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op)."""
-    try:
-        from deepspeed.sequence.layer import DistributedAttention  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
-        import deepspeed
-        import torch
+    """Why DeepSpeed's sequence-parallel attention cannot run mds's Ulysses here (None when it can): DeepSpeed
+    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op); DeepSpeed < 0.15 (0.13.1 in
+    the MS-AMP image) has DistributedAttention without the batch_dim_idx our call passes."""
+    import deepspeed
+    import torch
 
+    try:
+        from deepspeed.sequence.layer import DistributedAttention
+    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
         return (f"deepspeed.sequence.layer does not import with DeepSpeed {deepspeed.__version__} and torch "
                 f"{torch.__version__} ({type(err).__name__}: {err})")
-    return None
+    import inspect
+
+    return distributed_attention_unfit(inspect.signature(DistributedAttention.forward).parameters,
+                                       deepspeed.__version__)
+
+
+def distributed_attention_unfit(forward_parameters, deepspeed_version: str) -> str | None:
+    """Why a DistributedAttention whose forward takes ``forward_parameters`` (names) cannot run our call (None:
+    it can). mds calls ``attn(q, k, v, 0)`` with batch-first [b, s/sp, n, d] tensors and batch_dim_idx 0
+    (model/attention.py); before DeepSpeed 0.15 forward(query, key, value, *args) has no batch_dim_idx, hands
+    the 0 on to our attention core and its all-to-all assumes sequence-first tensors."""
+    if "batch_dim_idx" in forward_parameters:
+        return None
+    return (f"DeepSpeed {deepspeed_version}'s deepspeed.sequence.layer.DistributedAttention.forward has no "
+            "batch_dim_idx (added in DeepSpeed 0.15.0), which mds's batch-first attention needs")
 
 
 def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
