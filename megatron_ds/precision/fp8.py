@@ -52,9 +52,22 @@ class FP8Engine:
         """What this machine lacks to run the engine (a library, a version), or None when it can run."""
         raise NotImplementedError
 
-    def convert(self, model: nn.Module) -> nn.Module:
-        """Swap the local GEMMs of ``model`` (``local_gemms``) for the engine's FP8 linears."""
+    def convert(self, model: nn.Module, state=None) -> nn.Module:
+        """Swap the local GEMMs of ``model`` (``local_gemms``) for the engine's FP8 linears. ``state``: the
+        run's ParallelState (None in a single process), for an engine that communicates while converting."""
         raise NotImplementedError
+
+    def build_optimizer(self, param_groups: list[dict], lr: float, betas: tuple[float, float],
+                        eps: float) -> torch.optim.Optimizer | None:
+        """The engine's own optimizer over ``param_groups`` (MS-AMP: LBAdamW), or None for mds's AdamW."""
+        return None
+
+    def deepspeed_initialize(self):
+        """The function that builds the DeepSpeed engine: ``deepspeed.initialize`` unless the engine brings its
+        own integration (MS-AMP: ``msamp.deepspeed.initialize``), with the same keyword arguments."""
+        import deepspeed
+
+        return deepspeed.initialize
 
     def describe(self) -> str:
         """For the start-up line: the engine and its recipe."""

@@ -71,7 +71,7 @@ class TransformerEngine(FP8Engine):
             kwargs["reduce_amax"] = False
         return DelayedScaling(**kwargs)
 
-    def convert(self, model: nn.Module) -> nn.Module:
+    def convert(self, model: nn.Module, state=None) -> nn.Module:
         import transformer_engine.pytorch as te
 
         recipe = self.recipe()
