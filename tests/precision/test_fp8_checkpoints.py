@@ -126,3 +126,51 @@ def test_export_of_an_fp8_checkpoint_is_its_high_precision_weights(reference, tm
     assert torch.equal(exported["transformer.wte.weight"], module["embedding.word_embeddings.weight"][:vocab])
     assert torch.equal(exported["transformer.h.0.ln_1.weight"], module["layers.0.input_norm.weight"])
     assert checked == 8
+
+
+# ------------------------------------------------------------------ module extra state (Transformer Engine's FP8 state)
+
+EXTRA_STATE_DRIVER = Path(__file__).with_name("extra_state_driver.py")
+
+
+def run_ranks(world: int, *argv: str, cwd: Path) -> list[dict]:
+    """One process per rank (what a launcher does); each prints one JSON line."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(EXTRA_STATE_DRIVER), *argv], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank}:\n{out[-4000:]}"
+    return [json.loads(next(line for line in out.splitlines() if line.startswith('{"rank"'))) for out in outputs]
+
+
+def test_module_extra_state_is_saved_and_restored_from_data_parallel_rank_0(tmp_path):
+    """TE's amax history and scales are module extra state: DeepSpeed's module state dict carries the
+    ``_extra_state`` keys and mds's load path restores them (strict: none dropped or refused). With DP > 1
+    DeepSpeed writes data-parallel rank 0's module states only, so every DP rank resumes with rank 0's history."""
+    saved = run_ranks(2, "save", "ckpt", cwd=tmp_path)
+    history = {r["rank"]: r["history"] for r in saved}
+    assert len(history[0]) == 8 and all(len(h) == 3 for h in history[0].values())
+    assert history[0] != history[1]  # each DP rank saw its own data
+    module = torch.load(tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)["module"]
+    extra = sorted(k for k in module if k.endswith("._extra_state"))
+    assert extra == sorted(f"{name}._extra_state" for name in history[0])
+    assert "layers.0.attention.qkv.local._extra_state" in extra
+    assert not (tmp_path / "ckpt" / "iter_0000003" / "mp_rank_01_model_states.pt").exists()
+
+    loaded = run_ranks(2, "load", "ckpt", cwd=tmp_path)
+    for r in loaded:
+        assert r["history"] == history[0], f"rank {r['rank']}"  # rank 0's, on both ranks
+
+    # weights-only readers (convert --to hf) leave the FP8 engine state out
+    from megatron_ds.checkpoint.shards import _rank_state_dicts
+
+    weights = _rank_state_dicts(str(tmp_path / "ckpt" / "iter_0000003"), 1, 1, 2)[0]
+    assert not [k for k in weights if k.endswith("_extra_state")]
+    assert torch.equal(weights["layers.1.mlp.fc2.local.weight"], module["layers.1.mlp.fc2.local.weight"])
