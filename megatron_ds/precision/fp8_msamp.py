@@ -168,7 +168,13 @@ class MSAMPEngine(FP8Engine):
         return f"msamp (MS-AMP {level}: FP8Linear, LBAdamW moments {first}/{second}{zero})"
 
     def notes(self, given: set[str]) -> list[str]:
+        notes = []
         ignored = [f for f in ("--fp8-margin", "--fp8-interval", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
                                "--fp8-recipe") if f in given]
-        return ([f"note: {', '.join(ignored)} accepted and ignored: MS-AMP keeps its own scaling (per-tensor "
-                 "amax windows in FP8Linear)"] if ignored else [])
+        if ignored:
+            notes.append(f"note: {', '.join(ignored)} accepted and ignored: MS-AMP keeps its own scaling (per-tensor "
+                         "amax windows in FP8Linear)")
+        if "--bf16" in given:
+            notes.append("note: --bf16 with MS-AMP: its FP8Linear weights are fp16 (with a scaling meta) whatever the "
+                         "model dtype, and its DeepSpeed examples use --fp16 (its FP8 optimizer scales the loss)")
+        return notes

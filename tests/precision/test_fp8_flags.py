@@ -247,3 +247,16 @@ def test_msamp_not_installed_exits_2_naming_it_before_any_process_group(files, c
         err = capsys.readouterr().err
         assert "error: --msamp: FP8 engine msamp: MS-AMP is not installed (msamp is not importable)" in err, err
     assert not dist.is_initialized()
+
+
+def test_msamp_notes():
+    from megatron_ds.precision.fp8 import FP8Options
+    from megatron_ds.precision.fp8_msamp import MSAMPEngine
+
+    engine = MSAMPEngine(FP8Options(msamp_opt_level="O3"))
+    assert engine.describe() == "msamp (MS-AMP O3: FP8Linear, LBAdamW moments uint8/float16, FP8 ZeRO)"
+    assert MSAMPEngine(FP8Options()).describe() == "msamp (MS-AMP O1: FP8Linear, LBAdamW moments float32/float32)"
+    notes = engine.notes({"--bf16", "--fp8-margin"})
+    assert notes[0].startswith("note: --fp8-margin accepted and ignored: MS-AMP keeps its own scaling")
+    assert notes[1].startswith("note: --bf16 with MS-AMP: its FP8Linear weights are fp16")
+    assert engine.notes({"--fp16"}) == []
