@@ -36,7 +36,7 @@ class FP8Options:
     amax_history_len: int = 1  # delayed scaling: amax values remembered (Transformer Engine)
     amax_compute_algo: str = "most_recent"  # delayed scaling: most_recent | max over that history
     recipe: str = "tensorwise"  # torchao dynamic scaling granularity: tensorwise | rowwise
-    msamp_opt_level: str = "O1"  # MS-AMP: O1 FP8 weights/grads, O2 + FP8 Adam moments, O3 + ZeRO
+    msamp_opt_level: str = "O2"  # MS-AMP: O1 FP8 weights/grads, O2 + low-bit Adam moments, O3 + FP8 ZeRO
 
 
 class FP8Engine:

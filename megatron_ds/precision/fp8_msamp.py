@@ -176,5 +176,5 @@ class MSAMPEngine(FP8Engine):
                          "amax windows in FP8Linear)")
         if "--bf16" in given:
             notes.append("note: --bf16 with MS-AMP: its FP8Linear weights are fp16 (with a scaling meta) whatever the "
-                         "model dtype, and its DeepSpeed examples use --fp16 (its FP8 optimizer scales the loss)")
+                         "model dtype")
         return notes

@@ -179,7 +179,7 @@ def test_delayed_scaling_values_are_checked(files):
     (["--msamp-opt-level", "O3"], "--msamp-opt-level", "O3 is MS-AMP's FP8 ZeRO optimizer: it needs --zero-stage 1 "
      "or 2 (got 0)"),
     (["--msamp-opt-level", "O2", "--zero-stage", "2"], "--zero-stage", "2 with MS-AMP is --msamp-opt-level O3"),
-    (["--zero-stage", "1"], "--zero-stage", "O1 runs without ZeRO"),  # the default level is O1
+    (["--zero-stage", "1"], "--zero-stage", "O2 runs without ZeRO"),  # the default level: O2, as MS-AMP's patch
     (["--msamp-opt-level", "O3", "--zero-stage", "3"], "--msamp-opt-level", "needs --zero-stage 1 or 2 (got 3)"),
     (["--msamp-opt-level", "O2", "--use-distributed-optimizer"], "--zero-stage", "1 with MS-AMP is --msamp-opt-level O3"),
     (["--torch-compile"], "--torch-compile", "is not supported with MS-AMP"),
@@ -255,8 +255,11 @@ def test_msamp_notes():
 
     engine = MSAMPEngine(FP8Options(msamp_opt_level="O3"))
     assert engine.describe() == "msamp (MS-AMP O3: FP8Linear, LBAdamW moments uint8/float16, FP8 ZeRO)"
-    assert MSAMPEngine(FP8Options()).describe() == "msamp (MS-AMP O1: FP8Linear, LBAdamW moments float32/float32)"
+    assert MSAMPEngine(FP8Options(msamp_opt_level="O1")).describe() == ("msamp (MS-AMP O1: FP8Linear, LBAdamW "
+                                                                         "moments float32/float32)")
+    assert parse_args(["--num-layers", "1", "--msamp"], env={}).msamp_opt_level == "O2"  # MS-AMP's patch default
     notes = engine.notes({"--bf16", "--fp8-margin"})
     assert notes[0].startswith("note: --fp8-margin accepted and ignored: MS-AMP keeps its own scaling")
-    assert notes[1].startswith("note: --bf16 with MS-AMP: its FP8Linear weights are fp16")
+    assert notes[1] == ("note: --bf16 with MS-AMP: its FP8Linear weights are fp16 (with a scaling meta) whatever the "
+                        "model dtype")
     assert engine.notes({"--fp16"}) == []
