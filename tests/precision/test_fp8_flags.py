@@ -64,7 +64,7 @@ def test_engine_selection():
     def engine(*flags):
         return engine_from_args(parse_args(["--num-layers", "1", *flags], env={})).name
 
-    # auto: Transformer Engine where it can run here (not installed, and not driven by mds yet), else torchao
+    # auto: Transformer Engine where it can run here (not installed here), else torchao
     assert engine("--fp8-hybrid") == "torchao"
     assert engine("--fp8-hybrid", "--fp8-engine", "auto") == "torchao"
     assert engine("--fp8-hybrid", "--fp8-engine", "te") == "te"
