@@ -102,11 +102,12 @@ class AdamW(torch.optim.AdamW):
 
 
 def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's split: weight decay on matrices, none on biases and norm weights (1-D)."""
+    """Megatron's split: weight decay on matrices, none on biases and norm weights (1-D). (len(shape): MS-AMP's
+    FP8 weights are ScalingParameters, which have a shape but no dim().)"""
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(p.shape) >= 2 else no_decay).append(p)
     return [g for g in ({"params": decay, "weight_decay": weight_decay},
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
@@ -158,7 +159,7 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     module = (pipeline_module(config, state) if pipelined
               else GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
-    module = precision.wrap_model(module)
+    module = precision.wrap_model(module, state)
     # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)
     ds_config = build_ds_config(args, precision, on_cpu=not torch.cuda.is_available())
     optimizer = lr_scheduler = None
@@ -166,10 +167,13 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     param_groups = _param_groups(module, args.weight_decay)  # by shape: before any ZeRO-3 partitioning
     if not optimizer_from_config(ds_config):
         kwargs = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-        if torch.cuda.is_available():
-            kwargs["fused"] = True
-        optimizer = AdamW(param_groups, **kwargs)
-        if args.zero_stage == 0 and precision.name == "fp32":
+        # an FP8 engine may bring its optimizer (MS-AMP: LBAdamW, which steps its FP8 weights)
+        optimizer = precision.fp8.build_optimizer(param_groups, **kwargs) if precision.fp8 is not None else None
+        if optimizer is None:
+            if torch.cuda.is_available():
+                kwargs["fused"] = True
+            optimizer = AdamW(param_groups, **kwargs)
+        if args.zero_stage == 0 and precision.name == "fp32" and isinstance(optimizer, AdamW):
             optimizer.norm_fn = grad_norm_fn(module, state, pipelined)
             optimizer.max_norm = args.clip_grad
             ds_config["gradient_clipping"] = 0.0  # we clip, with the correct norm
@@ -186,7 +190,9 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     if scale != 1.0:
         partition_over_sequence_data_parallel(module, state, ds_config)
     # 4. DeepSpeed: the pipeline engine takes its grid from the PipelineModule, the plain one our mpu
-    engine, _, _, _ = deepspeed.initialize(
+    #    (MS-AMP: its DeepSpeed integration, same arguments, which wraps LBAdamW in its FP8 (ZeRO) optimizer)
+    initialize = precision.fp8.deepspeed_initialize() if precision.fp8 is not None else deepspeed.initialize
+    engine, _, _, _ = initialize(
         model=module, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
         model_parameters=None if optimizer is not None else param_groups,
         mpu=None if pipelined else state.mpu(), dist_init_required=False)
