@@ -209,6 +209,23 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     return Built(engine, pipelined, config, _resolved_backend(module), scale)
 
 
+def unpatched_step_notice(engine) -> str | None:
+    """A start-up notice where DeepSpeed's bf16 step on CUDA still reads the gradient norm on the host.
+
+    patches/deepspeed (0002, 0003; applied in every image) keep that step on the device: GPT-1.3B on an H200
+    runs 7% faster with them (bench/RESULTS.md). A pip install outside the images runs DeepSpeed as released.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda or optimizer is None or type(optimizer).__name__ not in ("DeepSpeedZeroOptimizer", "BF16_Optimizer"):
+        return None
+    if hasattr(optimizer, "_can_step_on_device"):
+        return None
+    return ("notice: DeepSpeed without patches/deepspeed: each bf16 optimizer step waits for the host to read the "
+            "gradient norm (7% of a GPT-1.3B step on an H200); the images apply them, elsewhere run "
+            "`python patches/apply deepspeed --installed deepspeed` from the mds source tree")
+
+
 def _resolved_backend(module: torch.nn.Module) -> str:
     for sub in module.modules():
         backend = getattr(sub, "resolved_backend", None)

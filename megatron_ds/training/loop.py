@@ -184,7 +184,7 @@ class Trainer:
         from megatron_ds.data.tokenizers import build_tokenizer
         from megatron_ds.parallel.state import init_parallel
         from megatron_ds.precision import from_args as precision_from_args
-        from megatron_ds.training.engine import build_engine
+        from megatron_ds.training.engine import build_engine, unpatched_step_notice
 
         args = self.args
         self.device = _device()
@@ -217,6 +217,9 @@ class Trainer:
              f"{self.config.num_parameters() / 1e6:.2f}M parameters, {self.config.flops_per_token() / 1e9:.3f} "
              f"GFLOP/token; global batch {args.global_batch_size} = micro {args.micro_batch_size} x DP {s.dp_size} "
              f"x {args.gradient_accumulation_steps} accumulation steps")
+        notice = unpatched_step_notice(self.engine)
+        if notice:
+            _log(notice)
         if args.attention_backend == "auto" and (args.use_flash_attn_v1 or args.use_flash_attn_triton):
             _log(f"warning: flash-attn v1/triton requested; ran attention backend {built.attention_backend}")
 
