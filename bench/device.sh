@@ -245,6 +245,17 @@ stage_fp8loss13() {  # issue 14: GPT-1.3B, GPT-style and LLaMA-style, 300 steps 
     --num-key-value-heads 8 --ffn-hidden-size 5504
 }
 
+stage_llamacheck() {  # the LLaMA-style 1.3B FP8 run trained lower than bf16 (5%): which of compile or FP8 moves it?
+  local F="$PYTHON bench/fp8_compare.py --loss --steps 150 --warmup-steps 10 --demo-corpus"
+  local C="--preset GPT1_3B --bf16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 \
+    --global-batch-size 8 --zero-stage 1 --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 \
+    --log-interval 10 --seed 1234 --swiglu --normalization RMSNorm --position-embedding-type rope \
+    --disable-bias-linear --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504"
+  ds_patches
+  t 200 $F --name llama_style_1_3b_eager_vs_compile_loss150 --fp8-flags "--torch-compile" -- $C
+  t 260 $F --name llama_style_1_3b_eager_bf16_vs_fp8_loss150 -- $C
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
