@@ -252,8 +252,11 @@ stage_llamacheck() {  # the LLaMA-style 1.3B FP8 run trained lower than bf16 (5%
     --log-interval 10 --seed 1234 --swiglu --normalization RMSNorm --position-embedding-type rope \
     --disable-bias-linear --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504"
   ds_patches
-  t 200 $F --name llama_style_1_3b_eager_vs_compile_loss150 --fp8-flags "--torch-compile" -- $C
-  t 260 $F --name llama_style_1_3b_eager_bf16_vs_fp8_loss150 -- $C
+  t 200 $F --name llama_style_1_3b_eager_vs_compile_loss150 --fp8-flags=--torch-compile -- $C
+  [ -n "${MDS_LLAMACHECK_FP8:-}" ] && t 260 $F --name llama_style_1_3b_eager_bf16_vs_fp8_loss150 -- $C
+  t 200 $F --name gpt1_3b_eager_vs_compile_loss150 --fp8-flags=--torch-compile -- --preset GPT1_3B --bf16 \
+    --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --zero-stage 1 \
+    --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 10 --seed 1234
 }
 
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
