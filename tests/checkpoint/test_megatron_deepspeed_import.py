@@ -22,9 +22,8 @@ import pytest
 import torch
 
 import megatron_reference as reference
-from ckpt_helpers import Ranks
+from ckpt_helpers import ENTRYPOINT, Ranks
 from test_hf_import import our_logits
-from test_train_checkpoints import ENTRYPOINT
 
 TP_LOGITS = Path(__file__).with_name("tp_logits.py")
 # Megatron's saved args: 8 query heads over 4 KV heads, so at TP=2 each rank holds 2 KV groups and the

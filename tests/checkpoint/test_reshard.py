@@ -11,24 +11,20 @@ position all survive the layout change.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import free_port
+import ckpt_helpers as helpers
+from ckpt_helpers import ENTRYPOINT, GPT, run
+from ckpt_helpers import metrics
 
 pytestmark = pytest.mark.slow
 
-ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
 REL = 1e-5
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
-GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-       "--max-position-embeddings", "32", "--hidden-dropout", "0", "--attention-dropout", "0"]
+GPT_NO_DROPOUT = [*GPT, "--hidden-dropout", "0", "--attention-dropout", "0"]
 LAYOUTS = {  # name: (ranks, train flags, convert flags)
     "single": (1, [], ["--tensor-model-parallel-size", "1", "--zero-stage", "0"]),
     "single-zero1": (1, ["--zero-stage", "1"], ["--zero-stage", "1"]),
@@ -39,37 +35,8 @@ LAYOUTS = {  # name: (ranks, train flags, convert flags)
 }
 
 
-def env() -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return dict(clean, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-
-
 def train_argv(corpus, ranks: int, flags: list[str], iters: int) -> list[str]:
-    argv = [ENTRYPOINT, "train", *GPT, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
-            "--merge-file", corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
-            "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--seed", "7",
-            "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--metrics-file", "metrics.jsonl",
-            *flags]
-    return argv + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
-
-
-def run(argv: list[str], cwd: Path, code: int = 0) -> subprocess.CompletedProcess:
-    cwd.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == code, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
-
-
-def losses(cwd: Path) -> tuple[dict[int, float], dict[int, float]]:
-    train, val = {}, {}
-    for line in (cwd / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "lm_loss" in record:
-            train[record["iteration"]] = record["lm_loss"]
-        if "val_loss" in record:
-            val[record["iteration"]] = record["val_loss"]
-    return train, val
+    return helpers.train_argv(corpus, ranks, flags, iters=iters, model=GPT_NO_DROPOUT)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +82,7 @@ def test_resume_at_another_layout_continues_the_reference(source, target, refere
     ranks, flags, _ = LAYOUTS[target]
     result = run(train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt"], 10), tmp_path)
     assert "resuming from iteration 5 (20 samples)" in result.stdout + result.stderr
-    (got, got_val), (want, want_val) = losses(tmp_path), losses(reference)
+    (got, got_val), (want, want_val) = metrics(tmp_path), metrics(reference)
     assert sorted(got) == list(range(6, 11))
     worst = max(abs(got[i] - want[i]) / abs(want[i]) for i in got)
     print(f"\n{source} -> {target}: convert {seconds:.1f}s; max relative loss difference over iterations 6-10 "
