@@ -20,6 +20,7 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
+from megatron_ds.checkpoint import ds_load
 from megatron_ds.checkpoint import layout as paths
 from megatron_ds.checkpoint import metadata as meta
 from megatron_ds.checkpoint import rng
@@ -207,8 +208,7 @@ def load(engine, args: Namespace, state) -> bool:
     meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory,
                           saved_model=saved_model, model=model_shapes.model_shape(args))
 
-    loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optim,
-                                       load_lr_scheduler_states=load_optim, load_module_only=finetune)
+    loaded, _ = ds_load.load_checkpoint(engine, load_dir, tag, load_optim=load_optim, finetune=finetune)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed found no model states in {directory}")
     if load_rng:

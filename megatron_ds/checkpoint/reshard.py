@@ -154,7 +154,7 @@ def merge(staging: str, source_splits: dict, source_padded: int, target_padded: 
         for name, entry in part["params"].items():
             pieces.setdefault(name, {}).setdefault(part["tp_rank"], entry)  # a tied weight: the first stage's
         if common is None:
-            common = {k: part[k] for k in ("step", "lr_scheduler", "engine")}
+            common = {k: part.get(k) for k in ("step", "lr_scheduler", "engine", "loss_scaler")}
         elif part["step"] != common["step"]:
             raise CheckpointError(f"optimizer steps differ between ranks: {part['step']} vs {common['step']}")
     if common is None:
@@ -191,6 +191,9 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
     if not metadata.get("optimizer_saved", True):
         raise CheckpointError(f"{directory} was saved without optimizer state (--no-save-optim): nothing to reshard "
                               "but the weights; load it with --finetune or --no-load-optim instead")
+    if metadata["args"].get("fp16"):
+        raise CheckpointError(f"{directory} was trained with --fp16: the reshard runs DeepSpeed engines on the CPU, "
+                              "where DeepSpeed has no fp16 optimizer; fp32 and --bf16 checkpoints reshard")
     if metadata.get("splits") is None or metadata.get("model") is None:
         raise CheckpointError(f"{directory} records no per-parameter split record ('splits' in "
                               f"{meta.METADATA_FILE}): it was written by an older mds; resharding needs it")

@@ -30,6 +30,9 @@ LAYOUTS = {  # name: (ranks, flags)
     "tp2": (2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "100"]),  # 4096 -> 4200
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "zero2": (2, ["--zero-stage", "2"]),
+    # DeepSpeed's BF16_Optimizer at ZeRO-0 (its partitions are in bf16_zero_* files DeepSpeed itself only
+    # reads under ZeRO: checkpoint/ds_load.py)
+    "bf16-pp2": (2, ["--pipeline-model-parallel-size", "2", "--bf16"]),
 }
 
 
@@ -63,7 +66,7 @@ def assert_continues_reference(run: Path, ref: Path, first: int) -> None:
     assert got_val == {i: v for i, v in want_val.items() if i >= first}
 
 
-@pytest.mark.parametrize("name", ["single", "pp2"])
+@pytest.mark.parametrize("name", ["single", "pp2", "bf16-pp2"])
 def test_resume_from_iteration_5_is_bitwise_exact(name, reference, demo_corpus, tmp_path):
     ref = reference(name)
     ranks, flags = LAYOUTS[name]
