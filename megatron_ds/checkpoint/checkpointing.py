@@ -45,16 +45,16 @@ def _barrier() -> None:
 
 
 def current_layout(engine) -> Layout:
-    """This job's world, TP/PP/DP sizes (from megatron_ds.parallel) and ZeRO stage (from the engine)."""
+    """This job's world, TP/PP/DP/SP sizes (from megatron_ds.parallel) and ZeRO stage (from the engine)."""
     from megatron_ds.parallel import state as parallel
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if parallel.is_initialized():
         s = parallel.get_state()
-        tp, pp, dp = s.tp_size, s.pp_size, s.dp_size
+        tp, pp, dp, sp = s.tp_size, s.pp_size, s.dp_size, s.sp_size
     else:
-        tp, pp, dp = 1, 1, world
-    return Layout(world_size=world, tp=tp, pp=pp, dp=dp, zero_stage=int(engine.zero_optimization_stage()))
+        tp, pp, dp, sp = 1, 1, world, 1
+    return Layout(world_size=world, tp=tp, pp=pp, dp=dp, zero_stage=int(engine.zero_optimization_stage()), sp=sp)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="import, reshard: PP size to write (default 1)")
     p.add_argument("--data-parallel-size", type=int, default=1, help="reshard: DP size to write (default 1)")
+    p.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="reshard: DeepSpeed-Ulysses size to write (default 1; the source's is read from it)")
     p.add_argument("--zero-stage", type=int, help="reshard: ZeRO stage to write (default: the checkpoint's)")
     p.add_argument("--make-vocab-size-divisible-by", type=int,
                    help="import: pad the vocabulary to a multiple of this x TP, as training does (default 128); "
@@ -117,7 +119,7 @@ def reshard_main(args, parser) -> int:
             source = meta.read(checkpoint_directory(os.path.abspath(args.load), args.iteration))
             zero_stage = int(source["layout"]["zero_stage"])
         reshard.reshard(args.load, args.to, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                        dp=args.data_parallel_size, zero_stage=zero_stage,
+                        dp=args.data_parallel_size, zero_stage=zero_stage, sp=args.ds_sequence_parallel_size,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, iteration=args.iteration)
     except CheckpointError as exc:
         print(f"entrypoint convert: error: {exc}", file=sys.stderr)

@@ -79,7 +79,9 @@ def build(args: Namespace, padded_vocab: int):
     from megatron_ds.precision import from_args as precision_from_args
     from megatron_ds.training.engine import build_engine
 
-    parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "gloo")
+    # Ulysses too: the source's ZeRO partitions span its dp x sp ranks, and this engine must read them as saved
+    parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "gloo",
+                             sp=getattr(args, "ds_sequence_parallel_size", None) or 1)
     built = build_engine(args, precision_from_args(args), parallel, padded_vocab)
     return built.engine, built.pipelined, parallel
 
@@ -139,7 +141,7 @@ def gather(spec: dict) -> None:
     steps |= {int(g["step"]) for g in base.param_groups if "step" in g}
     if len(steps) > 1:
         raise RuntimeError(f"the optimizer's parameters were stepped unequally: steps {sorted(steps)}")
-    if parallel.dp_rank == 0:
+    if parallel.dp_rank == 0 and parallel.sp_rank == 0:  # the other DP/SP ranks hold the same full values
         scheduler = engine.lr_scheduler
         torch.save({"tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "params": params,
                     "step": steps.pop() if steps else 0,

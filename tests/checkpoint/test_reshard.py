@@ -41,6 +41,9 @@ LAYOUTS = {  # name: (ranks, train flags, convert flags)
     "pp2": (2, ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2", "--zero-stage", "0"]),
     "zero2": (2, ["--zero-stage", "2"], ["--data-parallel-size", "2", "--zero-stage", "2"]),
     "zero3": (2, ["--zero-stage", "3"], ["--data-parallel-size", "2", "--zero-stage", "3"]),
+    # DeepSpeed-Ulysses: ZeRO-1 partitions the optimizer state over the 2 SP ranks (DP 1 x SP 2)
+    "sp2-zero1": (2, ["--ds-sequence-parallel-size", "2", "--zero-stage", "1"],
+                  ["--ds-sequence-parallel-size", "2", "--zero-stage", "1"]),
     "bf16-single": (1, ["--bf16"], ["--zero-stage", "0"]),
     "bf16-zero1": (1, ["--bf16", "--zero-stage", "1"], ["--zero-stage", "1"]),
     "bf16-pp2": (2, ["--bf16", "--pipeline-model-parallel-size", "2"],
@@ -99,7 +102,8 @@ def convert(load: Path, to: Path, flags: list[str], code: int = 0) -> subprocess
 
 @pytest.mark.parametrize("source,target", [("tp2", "single"), ("pp2", "tp2"), ("zero2", "single-zero1"),
                                            ("single", "pp2"), ("tp2", "zero2"), ("zero2", "zero3"),
-                                           ("zero3", "tp2")])
+                                           ("zero3", "tp2"), ("sp2-zero1", "single-zero1"), ("sp2-zero1", "zero2"),
+                                           ("zero2", "sp2-zero1")])
 def test_resume_at_another_layout_continues_the_reference(source, target, reference, first_half, demo_corpus,
                                                           tmp_path):
     start = time.time()
@@ -119,6 +123,17 @@ def test_resume_at_another_layout_continues_the_reference(source, target, refere
     for i in range(6, 11):
         assert abs(got[i] - want[i]) <= REL * abs(want[i]), (i, got, want)
     assert abs(got_val[10] - want_val[10]) <= REL * abs(want_val[10])
+
+
+def test_a_ulysses_zero_checkpoint_loads_only_at_its_sp_size_and_says_how(first_half, demo_corpus, tmp_path):
+    """The layout records SP: without it, DP 1 x SP 2 looked like DP 1, and DeepSpeed failed on its partitions."""
+    ckpt = first_half("sp2-zero1") / "ckpt"
+    assert json.loads((ckpt / "iter_0000005" / "mds_checkpoint.json").read_text())["layout"]["sp"] == 2
+    result = run(train_argv(demo_corpus, 1, ["--zero-stage", "1", "--load", str(ckpt), "--no-load-rng"], 10),
+                 tmp_path, code=2)
+    assert ("--ds-sequence-parallel-size: checkpoint 2, this run 1" in result.stderr
+            and "entrypoint convert --reshard --data-parallel-size 1 --ds-sequence-parallel-size 1" in result.stderr)
+    assert "Traceback" not in result.stderr and metrics(tmp_path)[0] == {}  # no step was taken
 
 
 def resume_resharded(source: str, target: str, first_half, demo_corpus, tmp_path) -> Path:
