@@ -52,7 +52,7 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
     from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
     from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
     from megatron_ds.training.arguments import ConfigError
-    from megatron_ds.training.arguments.rules import _ulysses, accumulation_steps
+    from megatron_ds.training.arguments.rules import accumulation_steps, check_ulysses
 
     args = Namespace(**source_args)
     world = tp * pp * dp * sp
@@ -71,7 +71,7 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
         dims = ParallelDims(world, tp, pp, sp)
         check_shape(**shape_of(args), tp=tp)
         dims.layers_per_stage(args.num_layers)
-        _ulysses(args, dims)  # whole heads and equal sequence slices per SP rank, as training validates
+        check_ulysses(args, dims)  # whole heads and equal sequence slices per SP rank, as training validates
         accumulation = accumulation_steps(args.global_batch_size, args.micro_batch_size, dp)
     except (ModelConfigError, ParallelConfigError, ConfigError) as err:
         raise CheckpointError(f"the target layout {what} does not fit this model: {err}") from None

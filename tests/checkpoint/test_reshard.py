@@ -204,6 +204,11 @@ def test_bad_input_exits_2_naming_it_and_writes_nothing(first_half, tmp_path):
     (torn / "iter_0000005" / "mp_rank_01_model_states.pt").unlink()
     result = convert(torn, tmp_path / "c" / "ckpt", ["--tensor-model-parallel-size", "1"], code=2)
     assert "is partial: mp_rank_01_model_states.pt is missing" in result.stderr
+    result = convert(ckpt, tmp_path / "e" / "ckpt", ["--ds-sequence-parallel-size", "3"], code=2)
+    assert "TP 1 x PP 1 x DP 1 x SP 3 does not fit this model" in result.stderr and "--num-attention-heads 4" \
+        in result.stderr
+    result = convert(ckpt, tmp_path / "f" / "ckpt", ["--ds-sequence-parallel-size", "2", "--zero-stage", "3"], code=2)
+    assert "ZeRO-3 with --ds-sequence-parallel-size 2 is not supported yet" in result.stderr
     fp16 = tmp_path / "fp16"
     shutil.copytree(ckpt, fp16)
     record = json.loads((fp16 / "iter_0000005" / "mds_checkpoint.json").read_text())
@@ -211,6 +216,6 @@ def test_bad_input_exits_2_naming_it_and_writes_nothing(first_half, tmp_path):
     (fp16 / "iter_0000005" / "mds_checkpoint.json").write_text(json.dumps(record))
     result = convert(fp16, tmp_path / "d" / "ckpt", ["--tensor-model-parallel-size", "1"], code=2)
     assert "was trained with --fp16" in result.stderr and "Traceback" not in result.stderr
-    for name in "abcd":
+    for name in "abcdef":
         assert not (tmp_path / name / "ckpt").exists()
         assert not list((tmp_path / name).glob(".reshard-*"))
