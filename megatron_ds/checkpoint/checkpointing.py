@@ -20,6 +20,7 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
+from megatron_ds.checkpoint import ds_load
 from megatron_ds.checkpoint import layout as paths
 from megatron_ds.checkpoint import metadata as meta
 from megatron_ds.checkpoint import rng
@@ -44,16 +45,16 @@ def _barrier() -> None:
 
 
 def current_layout(engine) -> Layout:
-    """This job's world, TP/PP/DP sizes (from megatron_ds.parallel) and ZeRO stage (from the engine)."""
+    """This job's world, TP/PP/DP/SP sizes (from megatron_ds.parallel) and ZeRO stage (from the engine)."""
     from megatron_ds.parallel import state as parallel
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if parallel.is_initialized():
         s = parallel.get_state()
-        tp, pp, dp = s.tp_size, s.pp_size, s.dp_size
+        tp, pp, dp, sp = s.tp_size, s.pp_size, s.dp_size, s.sp_size
     else:
-        tp, pp, dp = 1, 1, world
-    return Layout(world_size=world, tp=tp, pp=pp, dp=dp, zero_stage=int(engine.zero_optimization_stage()))
+        tp, pp, dp, sp = 1, 1, world, 1
+    return Layout(world_size=world, tp=tp, pp=pp, dp=dp, zero_stage=int(engine.zero_optimization_stage()), sp=sp)
 
 
 @contextlib.contextmanager
@@ -215,8 +216,7 @@ def load(engine, args: Namespace, state) -> bool:
     meta.check_compatible(metadata, args, layout, load_optim=load_optim, load_rng=load_rng, directory=directory,
                           saved_model=saved_model, model=model_shapes.model_shape(args))
 
-    loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optim,
-                                       load_lr_scheduler_states=load_optim, load_module_only=finetune)
+    loaded, _ = ds_load.load_checkpoint(engine, load_dir, tag, load_optim=load_optim, finetune=finetune)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed found no model states in {directory}")
     if load_rng:

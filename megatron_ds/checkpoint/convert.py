@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -34,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import: FORMAT hf (a GPT2LMHeadModel or LlamaForCausalLM directory with config.json "
                         "and safetensors), or megatron-deepspeed (a GPT checkpoint in Megatron's "
                         "mp_rank_XX[_YYY]/model_optim_rng.pt or DeepSpeed's layer_XX-model_YY files) from SRC")
+    p.add_argument("--qkv-order", choices=("auto", "grouped", "thirds"), default="auto",
+                   help="import megatron-deepspeed: the row order of query_key_value; grouped: per KV group its "
+                        "query heads, k, v (Megatron-DeepSpeed up to Dec 2024, Megatron's checkpoint_version 2.0/3.0); "
+                        "thirds: [q; k; v] per TP rank (Megatron-DeepSpeed since its FPDT commit, Dec 2024); auto "
+                        "(default): thirds when the saved args know --ds-sequence-parallel-fpdt and the model is MHA")
     p.add_argument("--reshard", action="store_true", help="rewrite the checkpoint in --load at another TP x PP x "
                    "DP layout and ZeRO stage into the empty directory --to, optimizer state included")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -41,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="import, reshard: PP size to write (default 1)")
     p.add_argument("--data-parallel-size", type=int, default=1, help="reshard: DP size to write (default 1)")
+    p.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="reshard: DeepSpeed-Ulysses size to write (default 1; the source's is read from it)")
     p.add_argument("--zero-stage", type=int, help="reshard: ZeRO stage to write (default: the checkpoint's)")
     p.add_argument("--make-vocab-size-divisible-by", type=int,
                    help="import: pad the vocabulary to a multiple of this x TP, as training does (default 128); "
@@ -81,7 +89,12 @@ def import_main(args, parser) -> int:
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
     try:
-        importer = hf_import.import_hf if fmt == "hf" else megatron_deepspeed.import_megatron_deepspeed
+        if fmt == "hf":
+            if args.qkv_order != "auto":
+                parser.error("--qkv-order is for --from megatron-deepspeed")
+            importer = hf_import.import_hf
+        else:
+            importer = functools.partial(megatron_deepspeed.import_megatron_deepspeed, qkv_order=args.qkv_order)
         result = importer(source, os.path.abspath(args.to), tp=args.tensor_model_parallel_size,
                           pp=args.pipeline_model_parallel_size,
                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by or 128)
@@ -106,7 +119,7 @@ def reshard_main(args, parser) -> int:
             source = meta.read(checkpoint_directory(os.path.abspath(args.load), args.iteration))
             zero_stage = int(source["layout"]["zero_stage"])
         reshard.reshard(args.load, args.to, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                        dp=args.data_parallel_size, zero_stage=zero_stage,
+                        dp=args.data_parallel_size, zero_stage=zero_stage, sp=args.ds_sequence_parallel_size,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, iteration=args.iteration)
     except CheckpointError as exc:
         print(f"entrypoint convert: error: {exc}", file=sys.stderr)

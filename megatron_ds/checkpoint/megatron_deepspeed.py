@@ -10,10 +10,11 @@ The model's flags come from the saved ``args``. Layer names: ``input_layernorm``
 ``self_attention.query_key_value``, ``self_attention.dense``, ``post_attention_layernorm``,
 ``mlp.dense_h_to_4h``, ``mlp.dense_4h_to_h`` (``_MEGATRON_TO_OURS``).
 
-Each TP rank's ``query_key_value`` holds that rank's [q; k; v] blocks (checkpoint_version 3.0: the
-forward splits the local output into q, k, v thirds), and ``dense_h_to_4h`` under SwiGLU that rank's
-[gate; up] (``torch.chunk(x, 2)`` of the local output): the same per-rank layout as ours, so the TP
-shards merge with our split record (splits.py). Older checkpoint versions (interleaved heads) are refused.
+The rows of ``query_key_value`` are in one of the orders upstream has used (per KV group [q heads, k, v]
+up to Dec 2024, per-rank thirds since; checkpoint_version 0 and 1.0 before that): megatron_qkv.py turns
+each rank's into our [q; k; v] before the shards merge with our split record (splits.py).
+``dense_h_to_4h`` under SwiGLU holds the rank's [gate; up] (``torch.chunk(x, 2, dim=-1)`` of the local
+output in ``ParallelMLP``, unchanged since SwiGLU came in): ours already.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def _megatron_layout(directory: str) -> tuple[Namespace, list[dict[str, torch.Tensor]]]:
-    """(saved args, one Megatron-named state dict per TP rank with global layer numbers)."""
+def _megatron_layout(directory: str) -> tuple[Namespace, float, list[dict[str, torch.Tensor]]]:
+    """(saved args, checkpoint_version, one Megatron-named state dict per TP rank with global layer numbers)."""
     ranks: dict[tuple[int, int], str] = {}
     for name in os.listdir(directory):
         match = _MEGATRON_DIR.match(name)
@@ -94,17 +95,14 @@ def _megatron_layout(directory: str) -> tuple[Namespace, list[dict[str, torch.Te
                if (t, p) not in ranks]
     if missing:
         raise CheckpointError(f"{directory} is partial: {', '.join(missing)} missing")
-    args, per_rank = None, []
+    args, versions, per_rank = None, set(), []
     for t in range(tp):
         merged: dict[str, torch.Tensor] = {}
         offset = 0
         for p in range(pp):
             state = _load(ranks[(t, p)])
             args = args or state.get("args")
-            version = state.get("checkpoint_version", 0)
-            if version < 3.0:
-                raise CheckpointError(f"{ranks[(t, p)]}: checkpoint_version {version}; mds reads version 3.0 "
-                                      "(older versions interleave the heads of query_key_value)")
+            versions.add(float(state.get("checkpoint_version", 0)))  # Megatron's default for a missing one
             if "model" not in state:
                 raise CheckpointError(f"{ranks[(t, p)]} has no 'model' (a checkpoint of several model chunks "
                                       "(virtual pipeline) is not supported)")
@@ -124,7 +122,9 @@ def _megatron_layout(directory: str) -> tuple[Namespace, list[dict[str, torch.Te
         per_rank.append(merged)
     if args is None:
         raise CheckpointError(f"{directory}: model_optim_rng.pt holds no 'args' (the model's flags)")
-    return args, per_rank
+    if len(versions) > 1:
+        raise CheckpointError(f"{directory}: its files disagree on checkpoint_version ({sorted(versions)})")
+    return args, versions.pop(), per_rank
 
 
 def _classify(piece: dict[str, torch.Tensor]) -> str:
@@ -138,7 +138,7 @@ def _classify(piece: dict[str, torch.Tensor]) -> str:
     return "layer"
 
 
-def _pipeline_layout(directory: str) -> tuple[Namespace, list[dict[str, torch.Tensor]]]:
+def _pipeline_layout(directory: str) -> tuple[Namespace, float, list[dict[str, torch.Tensor]]]:
     files: dict[int, dict[int, str]] = {}
     for name in os.listdir(directory):
         match = _PIPE_FILE.match(name)
@@ -153,10 +153,11 @@ def _pipeline_layout(directory: str) -> tuple[Namespace, list[dict[str, torch.Te
         if sorted(files.get(t, {})) != indices:
             raise CheckpointError(f"{directory} is partial: tensor-parallel rank {t} has pipeline pieces "
                                   f"{sorted(files.get(t, {}))}, rank 0 has {indices}")
-    args = None
+    args, version = None, 0.0
     states = os.path.join(directory, "mp_rank_00_model_states.pt")
-    if os.path.isfile(states):
-        args = _load(states).get("args")
+    if os.path.isfile(states):  # DeepSpeed merges Megatron's client state (args, checkpoint_version) in here
+        client = _load(states)
+        args, version = client.get("args"), float(client.get("checkpoint_version", 0))
     if args is None:
         raise CheckpointError(f"{directory}: mp_rank_00_model_states.pt with the saved 'args' (the model's flags) "
                               "is missing")
@@ -178,7 +179,7 @@ def _pipeline_layout(directory: str) -> tuple[Namespace, list[dict[str, torch.Te
                     merged[f"layers.{layer}.{key}"] = tensor
             layer += kind == "layer"
         per_rank.append(merged)
-    return args, per_rank
+    return args, version, per_rank
 
 
 def model_flags(args: Namespace) -> list[str]:
@@ -225,8 +226,12 @@ def _ours(name: str) -> str:
 
 
 def import_megatron_deepspeed(source: str, out_dir: str, *, tp: int = 1, pp: int = 1,
-                              make_vocab_size_divisible_by: int = 128) -> dict:
-    """Write a Megatron-DeepSpeed GPT checkpoint's weights as an mds checkpoint at TP x PP (see hf_import)."""
+                              make_vocab_size_divisible_by: int = 128, qkv_order: str = "auto") -> dict:
+    """Write a Megatron-DeepSpeed GPT checkpoint's weights as an mds checkpoint at TP x PP (see hf_import).
+
+    ``qkv_order``: the row order of query_key_value (megatron_qkv.ORDERS); ``auto`` reads it from the
+    checkpoint_version and the saved args."""
+    from megatron_ds.checkpoint import megatron_qkv as qkv
     from megatron_ds.checkpoint import shape as shapes
     from megatron_ds.checkpoint import splits as split_records
     from megatron_ds.checkpoint import writer
@@ -236,8 +241,11 @@ def import_megatron_deepspeed(source: str, out_dir: str, *, tp: int = 1, pp: int
 
     directory = checkpoint_directory(source)
     names = os.listdir(directory)
-    saved_args, ranks = (_megatron_layout if any(_MEGATRON_DIR.match(n) for n in names) else _pipeline_layout)(directory)
+    saved_args, version, ranks = (_megatron_layout if any(_MEGATRON_DIR.match(n) for n in names)
+                                  else _pipeline_layout)(directory)
     flags = model_flags(saved_args)
+    order = qkv.resolve_order(qkv_order, saved_args, version)
+    ranks = [qkv.reorder_rank(r, order, saved_args, len(ranks)) for r in ranks]
     tokenizer = []
     if getattr(saved_args, "vocab_file", None) and os.path.isfile(saved_args.vocab_file):
         tokenizer = ["--tokenizer-type", getattr(saved_args, "tokenizer_type", "GPT2BPETokenizer"),
@@ -286,6 +294,12 @@ def import_megatron_deepspeed(source: str, out_dir: str, *, tp: int = 1, pp: int
         model_shape["vocab_size"] = None  # the tokenizer is unknown here: the load check compares shapes only
     out = writer.write(full, args, model_shape, record, out_dir, tp=tp, pp=pp,
                        source={"format": "megatron-deepspeed", "path": os.path.abspath(directory)})
-    return {"directory": out, "flags": flags + tokenizer + layout_flags[:4], "warnings": [],
-            "architecture": f"Megatron-DeepSpeed GPT (TP {source_tp})", "vocab_size": rows,
+    warnings = []
+    if getattr(saved_args, "bias_gelu_fusion", False) and not getattr(saved_args, "swiglu", False) \
+            and getattr(saved_args, "add_bias_linear", True):
+        warnings.append("the checkpoint trained with Megatron's fused bias-GeLU (tanh approximation; "
+                        "--no-bias-gelu-fusion turns it off): mds's MLP uses exact GeLU")
+    return {"directory": out, "flags": flags + tokenizer + layout_flags[:4], "warnings": warnings,
+            "architecture": f"Megatron-DeepSpeed GPT (TP {source_tp}, checkpoint_version {version:g}, "
+                            f"query_key_value order {order})", "vocab_size": rows,
             "tokenizer": bool(tokenizer)}

@@ -40,6 +40,7 @@ class Layout:
     pp: int
     dp: int
     zero_stage: int
+    sp: int = 1  # DeepSpeed-Ulysses: ZeRO partitions its optimizer state over dp x sp ranks
 
 
 def jsonable(value):
@@ -167,7 +168,14 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
         if saved_layout[key] != getattr(layout, key):
             problems.append(f"--{name.replace('_', '-')}: checkpoint {saved_layout[key]}, this run "
                             f"{getattr(layout, key)} (resharding is not supported; use the same layout)")
-    if load_optim and saved_layout["zero_stage"] > 0 and saved_layout["dp"] != layout.dp:
+    saved_sp = saved_layout.get("sp", 1)  # checkpoints written before the field: no Ulysses
+    if load_optim and saved_layout["zero_stage"] > 0 and saved_sp != layout.sp:
+        problems.append(f"--ds-sequence-parallel-size: checkpoint {saved_sp}, this run {layout.sp}; ZeRO stage "
+                        f"{saved_layout['zero_stage']} partitions the optimizer state over data-parallel x "
+                        f"sequence-parallel ranks (checkpoint DP {saved_layout['dp']} x SP {saved_sp}): rewrite it "
+                        f"for this layout with `entrypoint convert --reshard --data-parallel-size {layout.dp} "
+                        f"--ds-sequence-parallel-size {layout.sp}` (or pass --no-load-optim)")
+    elif load_optim and saved_layout["zero_stage"] > 0 and saved_layout["dp"] != layout.dp:
         problems.append(f"data-parallel size: checkpoint {saved_layout['dp']}, this run {layout.dp}; ZeRO stage "
                         f"{saved_layout['zero_stage']} optimizer partitions need the same data-parallel size "
                         "(or pass --no-load-optim)")

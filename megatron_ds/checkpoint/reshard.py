@@ -47,17 +47,17 @@ def _log(message: str) -> None:
 
 
 def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int,
-                make_vocab_size_divisible_by: int | None, save: str) -> Namespace:
+                make_vocab_size_divisible_by: int | None, save: str, sp: int = 1) -> Namespace:
     """The source run's flags at the target layout; CheckpointError naming the flag a layout breaks."""
     from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
     from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
     from megatron_ds.training.arguments import ConfigError
-    from megatron_ds.training.arguments.rules import accumulation_steps
+    from megatron_ds.training.arguments.rules import accumulation_steps, check_ulysses
 
     args = Namespace(**source_args)
-    world = tp * pp * dp
+    world = tp * pp * dp * sp
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("--data-parallel-size", dp)):
+                        ("--data-parallel-size", dp), ("--ds-sequence-parallel-size", sp)):
         if value < 1:
             raise CheckpointError(f"{flag} must be >= 1, got {value}")
     if zero_stage not in (0, 1, 2, 3):
@@ -65,13 +65,16 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
     if zero_stage >= 2 and pp > 1:
         raise CheckpointError(f"--zero-stage {zero_stage} cannot be combined with --pipeline-model-parallel-size "
                               f"{pp}: DeepSpeed's pipeline engine supports ZeRO-0/1 only")
+    args.zero_stage, args.ds_sequence_parallel_size = zero_stage, sp
+    what = f"TP {tp} x PP {pp} x DP {dp}" + (f" x SP {sp}" if sp > 1 else "")
     try:
-        dims = ParallelDims(world, tp, pp)
+        dims = ParallelDims(world, tp, pp, sp)
         check_shape(**shape_of(args), tp=tp)
         dims.layers_per_stage(args.num_layers)
+        check_ulysses(args, dims)  # whole heads and equal sequence slices per SP rank, as training validates
         accumulation = accumulation_steps(args.global_batch_size, args.micro_batch_size, dp)
     except (ModelConfigError, ParallelConfigError, ConfigError) as err:
-        raise CheckpointError(f"the target layout TP {tp} x PP {pp} x DP {dp} does not fit this model: {err}") from None
+        raise CheckpointError(f"the target layout {what} does not fit this model: {err}") from None
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.world_size, args.data_parallel_size, args.zero_stage = world, dp, zero_stage
     args.gradient_accumulation_steps = accumulation
@@ -154,7 +157,7 @@ def merge(staging: str, source_splits: dict, source_padded: int, target_padded: 
         for name, entry in part["params"].items():
             pieces.setdefault(name, {}).setdefault(part["tp_rank"], entry)  # a tied weight: the first stage's
         if common is None:
-            common = {k: part[k] for k in ("step", "lr_scheduler", "engine")}
+            common = {k: part.get(k) for k in ("step", "lr_scheduler", "engine", "loss_scaler")}
         elif part["step"] != common["step"]:
             raise CheckpointError(f"optimizer steps differ between ranks: {part['step']} vs {common['step']}")
     if common is None:
@@ -177,8 +180,8 @@ def merge(staging: str, source_splits: dict, source_padded: int, target_padded: 
 
 def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
             make_vocab_size_divisible_by: int | None = None, iteration: int | None = None,
-            timeout: float = 1800) -> str:
-    """Rewrite the checkpoint in ``load`` (``latest``, or iter_N) at TP x PP x DP, ZeRO ``zero_stage``
+            timeout: float = 1800, sp: int = 1) -> str:
+    """Rewrite the checkpoint in ``load`` (``latest``, or iter_N) at TP x PP x DP (x SP), ZeRO ``zero_stage``
     into the empty directory ``to``; returns the new checkpoint's directory. Nothing is left in ``to``
     (nor created) on failure."""
     from megatron_ds.checkpoint.convert import checkpoint_directory
@@ -191,6 +194,9 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
     if not metadata.get("optimizer_saved", True):
         raise CheckpointError(f"{directory} was saved without optimizer state (--no-save-optim): nothing to reshard "
                               "but the weights; load it with --finetune or --no-load-optim instead")
+    if metadata["args"].get("fp16"):
+        raise CheckpointError(f"{directory} was trained with --fp16: the reshard runs DeepSpeed engines on the CPU, "
+                              "where DeepSpeed has no fp16 optimizer; fp32 and --bf16 checkpoints reshard")
     if metadata.get("splits") is None or metadata.get("model") is None:
         raise CheckpointError(f"{directory} records no per-parameter split record ('splits' in "
                               f"{meta.METADATA_FILE}): it was written by an older mds; resharding needs it")
@@ -198,12 +204,14 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
         raise CheckpointError(f"--to {to} already holds a checkpoint; choose an empty directory")
     src_layout, model = metadata["layout"], metadata["model"]
     args = target_args(metadata["args"], tp=tp, pp=pp, dp=dp, zero_stage=zero_stage,
-                       make_vocab_size_divisible_by=make_vocab_size_divisible_by, save=to)
+                       make_vocab_size_divisible_by=make_vocab_size_divisible_by, save=to, sp=sp)
     real_vocab = model.get("vocab_size")
     source_padded = model["padded_vocab_size"]
     target_padded = padded_vocab_size(real_vocab, args) if real_vocab is not None else source_padded
+    src_sp = src_layout.get("sp", 1)
     _log(f"{directory} (iteration {metadata['iteration']}, TP {src_layout['tp']} x PP {src_layout['pp']} x "
-         f"DP {src_layout['dp']}, ZeRO-{src_layout['zero_stage']}) -> TP {tp} x PP {pp} x DP {dp}, ZeRO-{zero_stage}"
+         f"DP {src_layout['dp']}" + (f" x SP {src_sp}" if src_sp > 1 else "") + f", ZeRO-{src_layout['zero_stage']})"
+         f" -> TP {tp} x PP {pp} x DP {dp}" + (f" x SP {sp}" if sp > 1 else "") + f", ZeRO-{zero_stage}"
          + (f"; vocabulary rows {source_padded} -> {target_padded}" if target_padded != source_padded else ""))
 
     created = not os.path.exists(to)
@@ -225,7 +233,7 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
         del merged
         merged_at = time.time()
         run_ranks("scatter", {"args": meta.jsonable(vars(args)), "padded_vocab": target_padded,
-                              "merged": merged_path}, tp * pp * dp, staging, timeout)
+                              "merged": merged_path}, tp * pp * dp * sp, staging, timeout)
         result = os.path.join(to, paths.tag_for(int(metadata["iteration"])))
         _stamp(result, directory, src_layout)
     except BaseException:

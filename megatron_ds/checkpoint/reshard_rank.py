@@ -31,6 +31,36 @@ def _base_optimizer(engine):
     return opt
 
 
+def _masters(engine) -> dict[int, torch.Tensor]:
+    """id(model param) -> its fp32 master copy, under DeepSpeed's fp16/bf16 wrapper without ZeRO
+    (FP16_UnfusedOptimizer: the base optimizer steps, and keys its Adam state by, these copies)."""
+    opt = engine.optimizer
+    if not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups")):
+        return {}
+    return {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lps, hps)}
+
+
+# what a dynamic loss scaler (fp16) learns while training; its settings come from the target run's flags
+SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def scaler_state(optimizer) -> dict | None:
+    """The loss scaler's learned state of DeepSpeed's optimizer wrapper (None without a dynamic one)."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None or not getattr(scaler, "dynamic", False):
+        return None
+    return {k: getattr(scaler, k) for k in SCALER_STATE if hasattr(scaler, k)}
+
+
+def restore_scaler(optimizer, state: dict | None) -> None:
+    """Put a gathered loss-scaler state into the target wrapper's scaler (both dynamic, or nothing to do)."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if state is None or scaler is None or not getattr(scaler, "dynamic", False):
+        return
+    for key, value in state.items():
+        setattr(scaler, key, value)
+
+
 def _uses_zero_accessors(param) -> bool:
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
@@ -49,7 +79,9 @@ def build(args: Namespace, padded_vocab: int):
     from megatron_ds.precision import from_args as precision_from_args
     from megatron_ds.training.engine import build_engine
 
-    parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "gloo")
+    # Ulysses too: the source's ZeRO partitions span its dp x sp ranks, and this engine must read them as saved
+    parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "gloo",
+                             sp=getattr(args, "ds_sequence_parallel_size", None) or 1)
     built = build_engine(args, precision_from_args(args), parallel, padded_vocab)
     return built.engine, built.pipelined, parallel
 
@@ -85,12 +117,13 @@ def gather(spec: dict) -> None:
     """Load the source checkpoint at its own layout and write this rank's per-parameter state."""
     args = Namespace(**spec["args"])
     engine, pipelined, parallel = build(args, spec["padded_vocab"])
-    loaded, _ = engine.load_checkpoint(spec["load_dir"], tag=spec["tag"], load_optimizer_states=True,
-                                       load_lr_scheduler_states=True)
+    from megatron_ds.checkpoint import ds_load
+
+    loaded, _ = ds_load.load_checkpoint(engine, spec["load_dir"], spec["tag"], load_optim=True)
     if loaded is None:
         raise RuntimeError(f"DeepSpeed found no model states in {spec['load_dir']}/{spec['tag']}")
     _link_optimizer_state(engine)
-    base = _base_optimizer(engine)
+    base, masters = _base_optimizer(engine), _masters(engine)
     params = {}
     for name, param in local_parameters(engine, pipelined, args.num_layers).items():
         if _uses_zero_accessors(param):  # ZeRO 1-3: collective over DP, every rank asks
@@ -99,19 +132,21 @@ def gather(spec: dict) -> None:
             entry = {"param": safe_get_full_fp32_param(param)}
             entry.update({k: safe_get_full_optimizer_state(param, k) for k in MOMENTS})
         else:
-            state = base.state.get(param, {})
-            entry = {"param": param.detach()}
+            master = masters.get(id(param), param)
+            state = base.state.get(master, {})
+            entry = {"param": master.detach()}
             entry.update({k: state.get(k) for k in MOMENTS})
         params[name] = {k: None if v is None else v.detach().float().cpu().clone() for k, v in entry.items()}
     steps = {int(v["step"]) for v in base.state.values() if "step" in v}
     steps |= {int(g["step"]) for g in base.param_groups if "step" in g}
     if len(steps) > 1:
         raise RuntimeError(f"the optimizer's parameters were stepped unequally: steps {sorted(steps)}")
-    if parallel.dp_rank == 0:
+    if parallel.dp_rank == 0 and parallel.sp_rank == 0:  # the other DP/SP ranks hold the same full values
         scheduler = engine.lr_scheduler
         torch.save({"tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "params": params,
                     "step": steps.pop() if steps else 0,
                     "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "loss_scaler": scaler_state(engine.optimizer),
                     "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                                "skipped_steps": engine.skipped_steps}},
                    os.path.join(spec["staging"], f"gathered-rank{dist.get_rank():05d}.pt"))
@@ -121,21 +156,23 @@ def _fill_optimizer_state(engine, params: dict[str, torch.nn.Parameter], full: d
                           tp_rank: int, step: int) -> None:
     from megatron_ds.checkpoint import splits
 
-    base = _base_optimizer(engine)
+    base, masters = _base_optimizer(engine), _masters(engine)
     zero = any(_uses_zero_accessors(p) for p in params.values())
     # Adam's state is created by its first step: create it here (zeros, then the saved values below)
     if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3 hands them to Adam only per step
         owners = list(engine.optimizer.fp32_partitioned_groups_flat)
     else:
-        owners = [p for g in base.param_groups for p in g["params"]] if zero else list(params.values())
+        owners = ([p for g in base.param_groups for p in g["params"]] if zero
+                  else [masters.get(id(p), p) for p in params.values()])
     for p in owners:
         base.state[p] = {"step": torch.tensor(float(step)), **{k: torch.zeros_like(p) for k in MOMENTS}}
     if zero:
         _link_optimizer_state(engine)
     for name, param in params.items():
         saved = full[name]
-        pieces = {k: splits.shard(saved[k], entries.get(name), tp, tp_rank).to(param.dtype)
-                  for k in ("param", *MOMENTS)}
+        # fp32, whatever the model's dtype: these are the master weights and Adam moments (a bf16 param's
+        # dtype here would round them, and the resumed run would drift from the uninterrupted one)
+        pieces = {k: splits.shard(saved[k], entries.get(name), tp, tp_rank).float() for k in ("param", *MOMENTS)}
         if zero:
             from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -143,8 +180,11 @@ def _fill_optimizer_state(engine, params: dict[str, torch.nn.Parameter], full: d
             for k in MOMENTS:
                 safe_set_full_optimizer_state(param, pieces[k], k)
         else:
+            master = masters.get(id(param), param)
+            if master is not param:
+                master.data.copy_(pieces["param"].reshape(master.shape))
             for k in MOMENTS:
-                base.state[param][k] = pieces[k].clone()
+                base.state[master][k] = pieces[k].reshape(master.shape).clone()
 
 
 def _set_weights(params: dict[str, torch.nn.Parameter], full: dict, entries: dict, tp: int, tp_rank: int) -> None:
@@ -178,6 +218,7 @@ def scatter(spec: dict) -> None:
     tp, tp_rank = parallel.tp_size, parallel.tp_rank
     _set_weights(params, full, entries, tp, tp_rank)
     _fill_optimizer_state(engine, params, full, entries, tp, tp_rank, merged["step"])
+    restore_scaler(engine.optimizer, merged.get("loss_scaler"))
     if engine.lr_scheduler is not None and merged["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(merged["lr_scheduler"])
     for name, value in merged["engine"].items():

@@ -1,4 +1,5 @@
-"""Helpers for the checkpoint tests: start real rank processes (gloo on CPU) and read their metrics."""
+"""Helpers for the checkpoint tests: start real rank processes (gloo on CPU), `entrypoint` runs as a user
+types them (the launcher variables of the test's own environment removed), and read their metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ import time
 from pathlib import Path
 
 DRIVER = Path(__file__).with_name("engine_driver.py")
+ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+       "--max-position-embeddings", "32"]
 
 
 def free_port() -> int:
@@ -73,6 +79,43 @@ def losses(metrics_file: Path) -> dict[int, float]:
         if "loss" in record or "lm_loss" in record:
             out[record["iteration"]] = record.get("lm_loss", record.get("loss"))
     return out
+
+
+def val_losses(metrics_file: Path) -> dict[int, float]:
+    """{iteration: val_loss} from a JSONL metrics file."""
+    records = (json.loads(line) for line in metrics_file.read_text().splitlines())
+    return {r["iteration"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+def metrics(cwd: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """({iteration: lm_loss}, {iteration: val_loss}) of a run directory (its metrics.jsonl)."""
+    return losses(cwd / "metrics.jsonl"), val_losses(cwd / "metrics.jsonl")
+
+
+def env() -> dict[str, str]:
+    """The test's environment without launcher variables (a fresh MASTER_PORT), one thread per rank."""
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return dict(clean, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+
+
+def train_argv(corpus, ranks: int, flags: list[str], *, iters: int = 10, model: list[str] = GPT) -> list[str]:
+    """`entrypoint train` on the embedded corpus: batch 4 (micro 2), cosine LR, eval every 5, metrics.jsonl."""
+    argv = [ENTRYPOINT, "train", *model, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
+            "--merge-file", corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
+            "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--seed", "7",
+            "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--metrics-file", "metrics.jsonl",
+            *flags]
+    return argv + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
+
+
+def run(argv: list[str], cwd: Path, code: int | None = 0, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a command in ``cwd`` (created); assert its exit code (``code=None``: any failure)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    ok = result.returncode != 0 if code is None else result.returncode == code
+    assert ok, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
 
 
 def wait_for(predicate, timeout: float, what: str, ranks: Ranks | None = None) -> None:

@@ -8,7 +8,6 @@ must give back HF's tensors exactly, and `entrypoint train --load --finetune` mu
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from argparse import Namespace
@@ -17,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import Ranks
-from test_train_checkpoints import ENTRYPOINT, env
+from ckpt_helpers import ENTRYPOINT, Ranks, env
 
 TP_LOGITS = Path(__file__).with_name("tp_logits.py")
 VOCAB = 4096  # the embedded corpus's tokenizer, so the finetune run can use it

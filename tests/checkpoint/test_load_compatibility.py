@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.checkpoint import layout as paths
-from test_train_checkpoints import train, train_argv
+from ckpt_helpers import run, train_argv
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def saved(tmp_path_factory, demo_corpus) -> Path:
     """Two iterations of the default GPT, saved."""
     cwd = tmp_path_factory.mktemp("saved")
-    train(cwd, train_argv(demo_corpus, 1, ["--save", "ckpt", "--eval-iters", "0"], iters=2))
+    run(train_argv(demo_corpus, 1, ["--save", "ckpt", "--eval-iters", "0"], iters=2), cwd)
     return cwd / "ckpt"
 
 
@@ -43,7 +43,7 @@ def _refused(saved: Path, demo_corpus, tmp_path: Path, flags: list[str], corpus=
     before = _snapshot(saved)
     argv = train_argv(corpus or demo_corpus, 1, ["--load", str(saved), "--save", "out", "--eval-iters", "0", *flags],
                       iters=3)
-    result = train(tmp_path, argv, fail=True)
+    result = run(argv, tmp_path, code=None)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert _snapshot(saved) == before  # the checkpoint is untouched
     assert paths.list_checkpoints(str(tmp_path / "out")) == []  # and nothing was saved

@@ -20,56 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import Ranks, free_port, wait_for
+from ckpt_helpers import ENTRYPOINT, Ranks, env, metrics, run, train_argv, wait_for
 
 pytestmark = pytest.mark.slow
 
-ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
 TP_LOGITS = Path(__file__).with_name("tp_logits.py")
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
-GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-       "--max-position-embeddings", "32"]
 LAYOUTS = {  # name: (ranks, flags)
     "single": (1, []),
     "tp2": (2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "100"]),  # 4096 -> 4200
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "zero2": (2, ["--zero-stage", "2"]),
+    # DeepSpeed's BF16_Optimizer at ZeRO-0 (its partitions are in bf16_zero_* files DeepSpeed itself only
+    # reads under ZeRO: checkpoint/ds_load.py)
+    "bf16-pp2": (2, ["--pipeline-model-parallel-size", "2", "--bf16"]),
 }
-
-
-def train_argv(corpus, ranks: int, flags: list[str], *, iters: int = 10, model=GPT) -> list[str]:
-    argv = [ENTRYPOINT, "train", *model, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
-            "--merge-file", corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
-            "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--seed", "7",
-            "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--metrics-file", "metrics.jsonl",
-            *flags]
-    return argv + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
-
-
-def env() -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return dict(clean, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-
-
-def train(cwd: Path, argv: list[str], fail: bool = False) -> subprocess.CompletedProcess:
-    cwd.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
-    assert (result.returncode != 0) if fail else (result.returncode == 0), f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
-
-
-def metrics(cwd: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """({iteration: lm_loss}, {iteration: val_loss}) of a run directory."""
-    train_losses, val_losses = {}, {}
-    for line in (cwd / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "lm_loss" in record:
-            train_losses[record["iteration"]] = record["lm_loss"]
-        if "val_loss" in record:
-            val_losses[record["iteration"]] = record["val_loss"]
-    return train_losses, val_losses
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +45,7 @@ def reference(tmp_path_factory, demo_corpus):
         if name not in cache:
             ranks, flags = LAYOUTS[name]
             cwd = tmp_path_factory.mktemp(f"ref-{name}")
-            train(cwd, train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--save-interval", "5"]))
+            run(train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--save-interval", "5"]), cwd)
             cache[name] = cwd
         return cache[name]
 
@@ -102,7 +66,7 @@ def assert_continues_reference(run: Path, ref: Path, first: int) -> None:
     assert got_val == {i: v for i, v in want_val.items() if i >= first}
 
 
-@pytest.mark.parametrize("name", ["single", "pp2"])
+@pytest.mark.parametrize("name", ["single", "pp2", "bf16-pp2"])
 def test_resume_from_iteration_5_is_bitwise_exact(name, reference, demo_corpus, tmp_path):
     ref = reference(name)
     ranks, flags = LAYOUTS[name]
@@ -112,7 +76,7 @@ def test_resume_from_iteration_5_is_bitwise_exact(name, reference, demo_corpus, 
     assert (saved["iteration"], saved["consumed_train_samples"], saved["consumed_valid_samples"]) == (5, 20, 4)
     copy_checkpoint(ref / "ckpt", "iter_0000005", tmp_path / "ckpt")
     extra = ["--keep-last-n-checkpoints", "2", "--save-interval", "2"] if name == "single" else []
-    result = train(tmp_path, train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt", "--save", "ckpt", *extra]))
+    result = run(train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt", "--save", "ckpt", *extra]), tmp_path)
     assert "resuming from iteration 5 (20 samples)" in result.stdout + result.stderr
     assert_continues_reference(tmp_path, ref, 6)
     if name == "single":  # saved 6, 8, 10; kept the last two, and the one `latest` names
@@ -185,13 +149,13 @@ def test_signal_saves_at_one_iteration_exits_0_and_resumes_exactly(name, target,
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(cwd / "ckpt", resumed / "ckpt")
-    train(resumed, train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt"]))
+    run(train_argv(demo_corpus, ranks, [*flags, "--load", "ckpt"]), resumed)
     assert_continues_reference(resumed, ref, stopped_at + 1)
 
 
 def test_mismatched_layout_is_named(reference, demo_corpus, tmp_path):
     ref = reference("tp2")
-    result = train(tmp_path, train_argv(demo_corpus, 1, ["--load", str(ref / "ckpt")]), fail=True)
+    result = run(train_argv(demo_corpus, 1, ["--load", str(ref / "ckpt")]), tmp_path, code=None)
     assert "--tensor-model-parallel-size: checkpoint 2, this run 1" in result.stderr
     assert "--make-vocab-size-divisible-by: checkpoint 100, this run 128" in result.stderr
     assert result.returncode == 2 and "Traceback" not in result.stderr  # a config error, not a crash
@@ -201,8 +165,8 @@ def test_weights_only_load_into_another_data_parallel_size(reference, demo_corpu
     """ZeRO-2 partitions of 2 ranks cannot fill 1 rank's optimizer (refused, see the engine tests), but
     --no-load-optim loads the weights (and DeepSpeed rebuilds its fp32 partitions from them)."""
     ckpt = str(reference("zero2") / "ckpt")
-    result = train(tmp_path, train_argv(demo_corpus, 1, ["--zero-stage", "2", "--load", ckpt, "--no-load-optim",
-                                                         "--no-load-rng"], iters=12))
+    result = run(train_argv(demo_corpus, 1, ["--zero-stage", "2", "--load", ckpt, "--no-load-optim",
+                                         "--no-load-rng"], iters=12), tmp_path)
     assert "resuming from iteration 10 (40 samples)" in result.stdout + result.stderr
     assert "without optimizer state without RNG state" in result.stdout + result.stderr
     assert sorted(metrics(tmp_path)[0]) == [11, 12]
@@ -284,9 +248,9 @@ def test_export_merges_pipeline_stages(reference, tmp_path):
 
 
 def test_export_llama_style_tp2_matches_our_logits(demo_corpus, tmp_path):
-    train(tmp_path, train_argv(demo_corpus, 2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
-                                                "100", "--save", "ckpt", "--eval-iters", "0"],
-                               iters=2, model=["--preset", "LLAMA_TINY"]))
+    run(train_argv(demo_corpus, 2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
+                                    "100", "--save", "ckpt", "--eval-iters", "0"],
+                   iters=2, model=["--preset", "LLAMA_TINY"]), tmp_path)
     _convert(tmp_path / "ckpt", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["num_key_value_heads"], config["num_attention_heads"], config["tie_word_embeddings"]) == (2, 4, False)

@@ -36,7 +36,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _precision(args)
     _megatron_equivalents(args)
     dims = _layout(args, world_size)
-    _ulysses(args, dims)
+    check_ulysses(args, dims)
     _model_shape(args, dims)
     rules_fp8.fp8_shape(args, dims)
     _parallel_features(args)
@@ -126,7 +126,7 @@ def _layout(args: argparse.Namespace, world_size: int) -> ParallelDims:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
 
 
-def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
+def check_ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
     """DeepSpeed-Ulysses: whole heads and equal sequence slices on every SP rank (TP = PP = 1 is
     ParallelDims' rule). Equal slices also make the full-sequence mean loss the mean of the slices' means."""
     from megatron_ds.model.attention import check_ulysses_heads
