@@ -6,12 +6,26 @@ every helper is the identity, so the same model code runs without torch.distribu
 
 Two pairs work on the last (hidden) dimension, two on the first (sequence) dimension: activations
 use the [s, b, h] layout, so sequence parallelism splits dim 0 and each chunk is contiguous.
+
+The collectives are torch's functional ones (a new tensor out, then an explicit wait) on NCCL and every other
+backend but gloo: they are what dynamo itself emits, so ``--torch-compile`` traces them as they are. The c10d
+calls that write in place or into an output argument (``all_reduce(x)``, ``all_gather_into_tensor(out, x)``)
+must instead be rewritten by dynamo inside our autograd Functions, a path where PyTorch and DeepSpeed have
+found wrong gradients (pytorch#141111, #154820; DeepSpeed#8491: an output-argument collective in a Function's
+forward made its backward never run). Gloo keeps the c10d calls: old torch's gloo lacks the functional ones and
+16-bit types. ``MDS_TP_COLLECTIVES=functional|inplace`` forces one kind on every backend (tests, the probe).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
+
+_FORCED = os.environ.get("MDS_TP_COLLECTIVES", "")  # "", "functional" or "inplace": read once, at import
+if _FORCED not in ("", "functional", "inplace"):
+    raise ValueError(f"MDS_TP_COLLECTIVES must be functional or inplace, got {_FORCED!r}")
 
 
 def tp_size(group) -> int:
@@ -24,8 +38,29 @@ def tp_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def _kind(group) -> str:
+    """How this group communicates: "functional" (NCCL and the rest), "gloo" (c10d with gloo's workarounds), or
+    "inplace" (the c10d calls that write in place, as NCCL used before; only when forced, for the probe)."""
+    if _FORCED:
+        return _FORCED
+    return "gloo" if dist.get_backend(group) == "gloo" else "functional"
+
+
+def _waited(x: torch.Tensor) -> torch.Tensor:
+    """The collective's result once it has arrived: eager returns a wrapper that would wait at its first use;
+    under dynamo the functional collective has already put the wait into the graph."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return x.trigger_wait() if isinstance(x, AsyncCollectiveTensor) else x
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+    kind = _kind(group)
+    if kind == "functional":
+        from torch.distributed._functional_collectives import all_reduce
+
+        return _waited(all_reduce(x.contiguous(), "sum", group))
+    if x.dtype in (torch.bfloat16, torch.float16) and kind == "gloo":
         # gloo before torch 2.2 cannot sum 16-bit floats ("Invalid scalar type"): sum in fp32, round once
         return _all_reduce(x.float(), group).to(x.dtype)
     x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still hold
@@ -41,13 +76,19 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = tp_size(group)
+    n, kind = tp_size(group), _kind(group)
     x = x.contiguous()
-    if dim == 0 and dist.get_backend(group) != "gloo":
+    if kind == "functional":
+        import torch.distributed._functional_collectives as fc
+
+        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor  # the newer name where torch has it
+        out = _waited(gather(x, 0, group))  # [n * s, ...]: the ranks' blocks in order along dim 0
+        return out if dim == 0 else torch.cat(out.chunk(n, dim=0), dim=dim)
+    if dim == 0 and kind == "inplace":
         out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=group)
         return out
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+    if x.dtype in (torch.bfloat16, torch.float16) and kind == "gloo":
         # gloo rejects 16-bit floats (and int16) in all_gather; moving their bytes is exact
         return _all_gather(x.view(torch.uint8), dim, group).view(x.dtype)
     parts = [torch.empty_like(x) for _ in range(n)]
@@ -56,10 +97,15 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = tp_size(group)
+    n, kind = tp_size(group), _kind(group)
     if x.size(dim) % n:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
-    if dim == 0 and dist.get_backend(group) != "gloo":
+    if dim == 0 and kind == "functional":
+        import torch.distributed._functional_collectives as fc
+
+        reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor  # likewise
+        return _waited(reduce_scatter(x.contiguous(), "sum", 0, group))
+    if dim == 0 and kind == "inplace":
         x = x.contiguous()
         out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, x, group=group)
