@@ -12,6 +12,9 @@ into an output argument) and now (functional: torch's functional collectives), T
 parallelism. Each case: one forward/backward of a bf16 GPTModel eager, again eager (the baseline must repeat),
 then with every TransformerLayer compiled; per rank the loss, the local gradient norm and the largest gradient
 difference. A case is BAD when compiled and eager gradient norms differ by more than 5%.
+Expected if the cause is pytorch#180642 (torch 2.11 differentiates an in-place op inside an autograd.Function
+forward wrongly; fixed for 2.12): on torch 2.11 the `inplace` rows are BAD (fake and gloo alike) and the
+`functional` rows ok; on torch >= 2.12 every row ok. `inplace` ok on 2.11 too would point at NCCL itself.
 
 Usage, from the repo root:  python bench/compile_tp_probe.py          # CUDA, bf16 (about 2-4 min on an H100)
                             python bench/compile_tp_probe.py --cpu    # CPU, fp32, a smaller model (checks the script)

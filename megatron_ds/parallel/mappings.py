@@ -8,11 +8,14 @@ Two pairs work on the last (hidden) dimension, two on the first (sequence) dimen
 use the [s, b, h] layout, so sequence parallelism splits dim 0 and each chunk is contiguous.
 
 The collectives are torch's functional ones (a new tensor out, then an explicit wait) on NCCL and every other
-backend but gloo: they are what dynamo itself emits, so ``--torch-compile`` traces them as they are. The c10d
-calls that write in place or into an output argument (``all_reduce(x)``, ``all_gather_into_tensor(out, x)``)
-must instead be rewritten by dynamo inside our autograd Functions, a path where PyTorch and DeepSpeed have
-found wrong gradients (pytorch#141111, #154820; DeepSpeed#8491: an output-argument collective in a Function's
-forward made its backward never run). Gloo keeps the c10d calls: old torch's gloo lacks the functional ones and
+backend but gloo: they are what dynamo itself emits, so ``--torch-compile`` traces them as they are, and no
+autograd Function here mutates a tensor. The c10d calls write in place or into an output argument
+(``all_reduce(x)``, ``all_gather_into_tensor(out, x)``); dynamo rewrites them into an in-place ``copy_`` inside
+our Functions' forward, the pattern that torch 2.11's dynamo differentiates wrongly (pytorch#180642, fixed
+for 2.12 by #180921: an in-place op in an autograd.Function forward routes the gradient to the wrong output,
+giving zeros) -- the likely cause of the compiled TP=2 run's smaller gradients on 2 x H200 with torch 2.11,
+while torch 2.13 on CPU matched. DeepSpeed#8491 is the same class (an output-argument collective in a Function's
+forward: its backward never ran). Gloo keeps the c10d calls: old torch's gloo lacks the functional ones and
 16-bit types. ``MDS_TP_COLLECTIVES=functional|inplace`` forces one kind on every backend (tests, the probe).
 """
 
