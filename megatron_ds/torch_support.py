@@ -26,7 +26,7 @@ def compile_problem(tp: int = 1) -> str | None:
     2.5); torch 2.1's inductor fails on the layer outright. Tested: 2.11 (CUDA) and 2.13 (CPU).
     Layers with tensor-parallel collectives compiled on CUDA trained off the TP=1 loss curve (tests/gpu:
     tp2_compile and tp2_sp_compile 9.4e-2 off on 2 x H200, torch 2.11, with the in-place c10d collectives
-    that parallel/mappings.py no longer uses on NCCL: most likely pytorch#180642, a torch 2.11 regression);
+    that parallel/mappings.py no longer uses: pytorch#180642, a torch 2.11 regression reproduced on CPU);
     refused until a 2-GPU run of those tests passes.
     MDS_ALLOW_TP_COMPILE=1 lifts that refusal, for those tests and bench/compile_tp_probe.py only.
     """

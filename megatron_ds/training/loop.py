@@ -174,7 +174,8 @@ class StopConditions:
 
 
 def _log_compile_time() -> None:
-    """Once, after the first step: what compiling the layers cost (or that they run eager after all)."""
+    """Once, after the first step: what compiling the layers cost (nothing when they fell back to eager: the
+    warning said so)."""
     from megatron_ds.model.compiled import compile_failure, first_call_seconds
 
     if compile_failure() is None and first_call_seconds() is not None:
