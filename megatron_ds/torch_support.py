@@ -33,7 +33,7 @@ def compile_problem(tp: int = 1) -> str | None:
     if _torch_problem() is not None:
         return _torch_problem()
     if tp > 1 and os.environ.get(ALLOW_TP_COMPILE) != "1":
-        return (f"not with --tensor-model-parallel-size {tp} yet: on CUDA the compiled layers with "
-                "tensor-parallel collectives trained off the TP=1 loss curve (2 x H200, torch 2.11); it works "
-                "with data, pipeline and ZeRO parallelism")
+        return (f"not with --tensor-model-parallel-size {tp} yet: compiled tensor-parallel layers trained off the "
+                "TP=1 loss curve on 2 x H200 with torch 2.11 (pytorch#180642; mds now avoids it, pending a 2-GPU "
+                "test); it works with data, pipeline and ZeRO parallelism")
     return None
