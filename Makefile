@@ -108,8 +108,9 @@ TORCH21_TESTS ?= tests/training tests/model tests/parallel tests/images/test_old
 # fails on torch 2.1's gloo (no bf16 all_reduce: "Invalid scalar type"; the drop-in scripts run end to end in bf16 on CPU,
 # so they are deselected here too). The MS-AMP image runs both on GPUs (NCCL) with DeepSpeed 0.13.1.
 # DeepSpeed 0.19.8's sequence layer needs torch >= 2.4 (torch.library.custom_op): the Ulysses trainings are
-# deselected; test_ulysses_is_refused_at_validation_where_deepspeed_cannot_run_it checks the refusal here.
-TORCH21_DESELECT ?= -k "not test_zero_stages_match_zero0 and not test_bf16_without_zero_matches_zero1 and not (test_tp2_pp2_sequence_parallel_matches_tp1 and zero1) and not test_smallest_scripts_train_end_to_end_on_cpu and not ulysses2_matches and not ulysses4_matches and not ulysses2_with and not test_ulysses_checkpoint and not test_alcf_sp_type_ds"
+# deselected (and the model-level tests/model/test_gpt_ulysses.py);
+# test_ulysses_is_refused_at_validation_where_deepspeed_cannot_run_it checks the refusal here.
+TORCH21_DESELECT ?= -k "not test_zero_stages_match_zero0 and not test_bf16_without_zero_matches_zero1 and not (test_tp2_pp2_sequence_parallel_matches_tp1 and zero1) and not test_smallest_scripts_train_end_to_end_on_cpu and not ulysses2_matches and not ulysses4_matches and not ulysses2_with and not test_ulysses_checkpoint and not test_alcf_sp_type_ds and not test_gpt_ulysses"
 .PHONY: test-torch21 oldest-stack-sources
 
 test-torch21: oldest-stack-sources ## CPU model/training tests on torch 2.1.2 + the pinned DeepSpeed (cuda/versions), in .venv-torch21

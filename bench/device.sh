@@ -179,6 +179,90 @@ stage_fp8loss() {  # the FP8 stage's second half: 300-step loss comparison, the 
   fi
 }
 
+stage_defaults() {  # issue 15, one GPU, one call: GPT-1.3B with the default flags (dropout 0.1, global batch =
+  # micro batch 16), compiled, with DeepSpeed as released and then with patches/deepspeed (bf16 steps with no
+  # host read of the norm); eager; compile + dropout 0 + global batch 128; the phases of a step; the compiled
+  # plain-PyTorch reference. Carry .whl/ (DeepSpeed wheel + reference_gpt.py).
+  local S="--steps 20 --warmup-steps 5" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  if [ -f .whl/reference_gpt.py ]; then
+    OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_defaults.json" 2>/dev/null
+  fi
+  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_compile_ds_released -- $M --torch-compile
+  ds_patches
+  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_compile_ds_patched -- $M --torch-compile
+  t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_eager_ds_patched -- $M
+  t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_ds_patched -- $M \
+    --torch-compile --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
+  t 120 $PYTHON bench/profile_train.py --no-profile --variant compile --out "$LOGS/defaults_phases_patched.txt" -- $M
+  cp "$LOGS"/defaults_phases_* "$OUT"/ 2>/dev/null
+}
+
+stage_defaults_profile() {  # where a default-flags GPT-1.3B step goes now (patched DeepSpeed): phases and kernels
+  local M="$GPT13 --micro-batch-size 16 --zero-stage 1" P="$PYTHON bench/profile_train.py"
+  ds_patches
+  t 150 $P --variant compile --out "$LOGS/defaults_profile_compile.txt" -- $M
+  t 150 $P --variant compile+nodrop --out "$LOGS/defaults_profile_compile_nodrop.txt" -- $M
+  t 120 $P --no-profile --variant compile+igu --out "$LOGS/defaults_profile_compile_igu.txt" -- $M
+  cp "$LOGS"/defaults_profile_* "$OUT"/ 2>/dev/null
+}
+
+stage_fp8a() {  # issue 14, one call: GPT-1.3B FP8 vs bf16 (patched DeepSpeed, --torch-compile), the phases of
+  # the FP8 step, and the plain-PyTorch reference's bf16 and float8 in the same call. Carry .whl/ (torchao).
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 24 --warmup-steps 10"
+  ds_patches
+  t 200 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_fp8 -- $GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile
+  t 120 $PYTHON bench/profile_train.py --no-profile --variant compile --out "$LOGS/fp8_phases_gpt1_3b.txt" -- \
+    $GPT13 --micro-batch-size 16 --zero-stage 1 --fp8-format hybrid --fp8-engine torchao
+  if [ -f .whl/reference_gpt.py ]; then
+    OUT="$LOGS" t 240 $PYTHON .whl/reference_gpt.py --which compile,compile_fp8 --mbs 16 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_fp8_gpt1_3b.json" 2>/dev/null
+  fi
+  cp "$LOGS"/fp8_phases_* "$OUT"/ 2>/dev/null
+}
+
+stage_fp8b() {  # issue 14, one call: GPT-2.7B (32 x 2560, micro batch 8) FP8 vs bf16, and the reference's pair
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 24 --warmup-steps 10"
+  ds_patches
+  t 240 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_fp8 -- --preset GPT2_7B --bf16 --micro-batch-size 8 \
+    --zero-stage 1 --torch-compile
+  if [ -f .whl/reference_gpt.py ]; then
+    OUT="$LOGS" t 280 $PYTHON .whl/reference_gpt.py --which compile,compile_fp8 --layers 32 --hidden 2560 --heads 32 \
+      --mbs 8 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_fp8_gpt2_7b.json" 2>/dev/null
+  fi
+}
+
+stage_fp8loss13() {  # issue 14: GPT-1.3B, GPT-style and LLaMA-style, 300 steps on the embedded corpus, FP8 vs bf16
+  local F="$PYTHON bench/fp8_compare.py --loss --steps 300 --warmup-steps 10 --demo-corpus"
+  local C="--bf16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 \
+    --zero-stage 1 --torch-compile --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 \
+    --log-interval 10 --seed 1234"
+  ds_patches
+  t 280 $F --name gpt1_3b_s1024_fp8_loss300 -- --preset GPT1_3B $C
+  t 280 $F --name llama_style_1_3b_s1024_fp8_loss300 -- --preset GPT1_3B $C --swiglu --normalization RMSNorm \
+    --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights \
+    --num-key-value-heads 8 --ffn-hidden-size 5504
+}
+
+stage_llamacheck() {  # the LLaMA-style 1.3B FP8 run trained lower than bf16 (5%): which of compile or FP8 moves it?
+  local F="$PYTHON bench/fp8_compare.py --loss --steps 150 --warmup-steps 10 --demo-corpus"
+  local C="--preset GPT1_3B --bf16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 \
+    --global-batch-size 8 --zero-stage 1 --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 \
+    --log-interval 10 --seed 1234 --swiglu --normalization RMSNorm --position-embedding-type rope \
+    --disable-bias-linear --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504"
+  ds_patches
+  t 200 $F --name llama_style_1_3b_eager_vs_compile_loss150 --fp8-flags=--torch-compile -- $C
+  [ -n "${MDS_LLAMACHECK_FP8:-}" ] && t 260 $F --name llama_style_1_3b_eager_bf16_vs_fp8_loss150 -- $C
+  t 200 $F --name gpt1_3b_eager_vs_compile_loss150 --fp8-flags=--torch-compile -- --preset GPT1_3B --bf16 \
+    --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --zero-stage 1 \
+    --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 10 --seed 1234
+}
+
+ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
+  $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null

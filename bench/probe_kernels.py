@@ -52,7 +52,7 @@ def gemm_rows(tokens: int, hidden: int) -> list[dict]:
     return rows
 
 
-def attention_rows(batch: int, heads: int, seq: int, head_dim: int) -> list[dict]:
+def attention_rows(batch: int, heads: int, seq: int, head_dim: int, dropout_p: float = 0.0) -> list[dict]:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -66,14 +66,14 @@ def attention_rows(batch: int, heads: int, seq: int, head_dim: int) -> list[dict
     for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
         def step():
             with sdpa_kernel(getattr(SDPBackend, backend)):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
             out.backward(grad)
 
         def fwd():
             with torch.no_grad(), sdpa_kernel(getattr(SDPBackend, backend)):
                 F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        row = {"what": f"sdpa {backend}", "shape": [batch, heads, seq, head_dim]}
+        row = {"what": f"sdpa {backend}", "shape": [batch, heads, seq, head_dim], "dropout_p": dropout_p}
         try:
             row["fwd_ms"] = bench_ms(fwd)
             row["fwd_bwd_ms"] = bench_ms(step)
@@ -92,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-attention-heads", type=int, default=16)
     p.add_argument("--tokens", type=int, default=16384, help="micro batch x sequence for the GEMM shapes")
     p.add_argument("--seq-lengths", default="2048,8192,32768", help="attention sequence lengths (batch = tokens/seq)")
+    p.add_argument("--attention-dropout", default="0",
+                   help="comma-separated dropout probabilities for the attention rows (forward + backward timed with it)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     head_dim = args.hidden_size // args.num_attention_heads
     rows = gemm_rows(args.tokens, args.hidden_size)
     for seq in (int(s) for s in args.seq_lengths.split(",")):
-        rows += attention_rows(max(1, args.tokens // seq), args.num_attention_heads, seq, head_dim)
+        for dropout_p in (float(d) for d in args.attention_dropout.split(",")):
+            rows += attention_rows(max(1, args.tokens // seq), args.num_attention_heads, seq, head_dim, dropout_p)
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.out:

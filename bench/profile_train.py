@@ -118,13 +118,31 @@ def main(argv: list[str] | None = None) -> int:
         step(i)
     torch.cuda.synchronize()
     unsynced = (time.perf_counter() - t0) / max(1, args.steps - 3)
+    phases = {"forward": [], "backward": [], "optimizer_step": []}  # each synchronised: where a step goes
+    for i in range(3, args.steps):
+        batch = batches[i % len(batches)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with attention_context():
+            loss = engine(batch[:, :-1], batch[:, 1:]).mean()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            engine.backward(loss)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+            phases[key].append(value)
     tokens = b * s
     fpt = built.config.flops_per_token()
     summary = {"variant": args.variant, "flags": flags, "step_time_s": med, "tokens_per_s": tokens / med,
                "tflops_per_gpu": tokens * fpt / med / 1e12, "mfu": tokens * fpt / med / 989e12,
                "mem_gib": torch.cuda.max_memory_allocated() / 2**30, "flops_per_token": fpt,
                "attention_backend": built.attention_backend, "step_time_unsynced_s": unsynced,
-               "mfu_unsynced": tokens * fpt / unsynced / 989e12, "times": times}
+               "mfu_unsynced": tokens * fpt / unsynced / 989e12,
+               "phases_s": {k: statistics.median(v) for k, v in phases.items()}, "times": times}
     print("[profile] " + json.dumps({k: v for k, v in summary.items() if k != "times"}), flush=True)
     if not args.no_profile:
         from torch.profiler import ProfilerActivity, profile
@@ -139,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             table = prof.key_averages().table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)
         if args.out:
             args.out.write_text(f"{json.dumps(summary)}\n\n{table}\n")
+        kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(f"\nby self CUDA time (kernels):\n{kernels}\n")
         print(table[:6000], flush=True)
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")

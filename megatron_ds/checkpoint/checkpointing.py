@@ -105,6 +105,14 @@ def save(engine, args: Namespace, state) -> str | None:
     ``iteration``) to ``args.save``; collective (every rank calls it).
 
     Returns the published directory (None when this iteration was already saved by this process).
+
+    FP8 state (precision/): torchao's tensorwise dynamic scaling has none (each scale comes from the current
+    tensor), so weights, optimizer and RNG states are all a resume needs (tests/precision/test_fp8_checkpoints.py:
+    bitwise). Transformer Engine keeps its scales and amax history as module extra state (``..._extra_state`` in
+    the module states DeepSpeed writes, restored by its strict load); DeepSpeed writes data-parallel rank 0's
+    module states only, so after a resume every DP rank continues with rank 0's amax history (without amax
+    reduction each rank's history was its own; they differ by the data each saw, and re-converge within
+    --fp8-amax-history-len steps). MS-AMP: what its weights and LBAdamW save, and what not, is in fp8_msamp.py.
     """
     global _last_saved
     save_dir = os.path.abspath(args.save)

@@ -44,14 +44,28 @@ def _load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def _weights(state: dict) -> dict:
+    """A module state without FP8 engine state: Transformer Engine keeps each FP8 GEMM's scales and amax history
+    as ``<layer>.local._extra_state`` (a pickled object, per TP rank); it belongs to training, not to the weights.
+    (MS-AMP's FP8 weights are ScalingTensors: their high-precision value is ``.value``, see fp8_msamp.py.)"""
+    out = {}
+    for name, value in state.items():
+        if name.endswith("._extra_state"):
+            continue
+        if not isinstance(value, torch.Tensor) and hasattr(value, "value") and hasattr(value, "meta"):
+            value = value.value  # MS-AMP ScalingTensor: the (fp16) weight; its scaling meta is training state
+        out[name] = value
+    return out
+
+
 def _rank_state_dicts(directory: str, tp: int, pp: int, num_layers: int) -> list[dict[str, torch.Tensor]]:
-    """One GPTModel-named state dict per TP rank (the PP stages already joined)."""
+    """One GPTModel-named state dict per TP rank (the PP stages already joined), weights only (``_weights``)."""
     if any(name.startswith("zero_pp_rank_") and name.endswith("_model_states.pt") for name in os.listdir(directory)):
         raise CheckpointError(f"{directory} is a ZeRO-3 checkpoint (weights partitioned across data-parallel ranks); "
                               "export supports ZeRO stages 0-2")
     if pp == 1:
-        return [{current_name(k): v for k, v in _load(os.path.join(directory, f"mp_rank_{t:02d}_model_states.pt"))
-                 ["module"].items()} for t in range(tp)]
+        return [{current_name(k): v for k, v in _weights(_load(os.path.join(
+                 directory, f"mp_rank_{t:02d}_model_states.pt"))["module"]).items()} for t in range(tp)]
     prefixes = {0: "embedding.", num_layers + 1: "final_norm.", num_layers + 2: "output_head."}
     per_rank = []
     for t in range(tp):
@@ -61,7 +75,7 @@ def _rank_state_dicts(directory: str, tp: int, pp: int, num_layers: int) -> list
             if idx == num_layers + 2 and not os.path.isfile(path):
                 continue  # tied head: the embedding's weight
             prefix = prefixes.get(idx, f"layers.{idx - 1}.")
-            merged.update({current_name(prefix + k): v for k, v in _load(path).items()})
+            merged.update({current_name(prefix + k): v for k, v in _weights(_load(path)).items()})
         per_rank.append(merged)
     return per_rank
 

@@ -29,7 +29,9 @@ For the training loop:
 
 DeepSpeed-Ulysses (``GPTModel(config, sp_group=...)``, TP = PP = 1): tokens and labels are this rank's
 contiguous slice [b, s/sp] of the sequence, activations [s/sp, b, h]; positions (learned and rotary)
-are those of the slice (offset sp_rank * s/sp); attention runs through ``attention.ulysses``. The
+are those of the slice (offset sp_rank * s/sp); attention runs through ``attention.ulysses``. Hidden
+dropout keeps this slice's rows of the full-sequence mask (the single-process mask, as under SP);
+attention dropout, on this rank's heads after the all-to-all, draws from a per-SP-rank stream. The
 per-token loss comes back for the FULL sequence [b, s] on every SP rank (an all-gather whose backward
 keeps this rank's slice), so its mean is the full-sequence mean, and each rank's backward carries
 exactly its own tokens' share: DeepSpeed then sums gradients over SP and averages over DP.
@@ -159,8 +161,9 @@ class SelfAttention(nn.Module):
             q, k = (torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1) if r < d
                     else apply_rotary(t, cos, sin) for t in (q, k))
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        # attention dropout acts on this rank's heads only: give it a stream of its own
-        with tp_rank_rng(self.group, x.device, enabled=self.training and self.core.dropout > 0):
+        # attention dropout acts on this rank's heads only (TP, or Ulysses after its all-to-all): a stream of its own
+        heads_group = self.sp_group if self.distributed is not None else self.group
+        with tp_rank_rng(heads_group, x.device, enabled=self.training and self.core.dropout > 0):
             if self.distributed is not None:
                 out = self.distributed(q, k, v, 0)  # all-to-all, core on nq/sp heads, all-to-all back
             else:
@@ -210,6 +213,7 @@ class TransformerLayer(nn.Module):
         self.group = group = _checked(config, tp_group)
         self.layer_number = layer_number
         self.sequence_parallel = config.sequence_parallel
+        self.sp_group = sp_group
         self.dropout = config.hidden_dropout
         self.input_norm = Norm(config, group)
         self.attention = SelfAttention(config, layer_number, group, sp_group)
@@ -222,7 +226,7 @@ class TransformerLayer(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return sequence_parallel_dropout(x, self.dropout, self.training, self.group)
-        return F.dropout(x, self.dropout, self.training)
+        return sequence_parallel_dropout(x, self.dropout, self.training, self.sp_group)  # Ulysses, or plain
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._drop(self.attention(self.input_norm(x)))
@@ -312,7 +316,7 @@ class EmbeddingStage(nn.Module):
             x = x + positions[first:first + x.size(0)].unsqueeze(1)
         if self.sequence_parallel:
             return sequence_parallel_dropout(x, self.dropout, self.training, self.group)
-        return F.dropout(x, self.dropout, self.training)
+        return sequence_parallel_dropout(x, self.dropout, self.training, self.sp_group)  # Ulysses, or plain
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [s(/tp), b, h] -> local logits [s, b, V/tp] with the tied word embedding weight."""

@@ -1,7 +1,7 @@
 """Run a function on N real CPU ranks (gloo) and collect what each returns; for tests and checks.
 
 ``run_on_ranks(fn, world_size, *args, tp=2)`` spawns ``world_size`` fresh processes, each sets
-the env:// variables, calls ``init_parallel(tp, pp, backend="gloo")`` and ``fn(*args)``; the
+the env:// variables, calls ``init_parallel(tp, pp, backend="gloo", sp=sp)`` and ``fn(*args)``; the
 return values come back in rank order. ``fn`` must be importable (a module-level function).
 If any rank fails, the others are killed and the first traceback is raised.
 """
@@ -23,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, fn, args, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, sp: int, fn, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -32,7 +32,7 @@ def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, fn, args
     from megatron_ds.parallel import state
 
     try:
-        state.init_parallel(tp, pp, backend="gloo")
+        state.init_parallel(tp, pp, backend="gloo", sp=sp)
         value = fn(*args)
         results.put((rank, True, pickle.dumps(value)))  # plain pickle: tensors travel by value
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank named
@@ -41,24 +41,24 @@ def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, fn, args
         state.destroy()
 
 
-def run_on_ranks(fn, world_size: int, *args, tp: int = 1, pp: int = 1, timeout: float = 180.0) -> list:
+def run_on_ranks(fn, world_size: int, *args, tp: int = 1, pp: int = 1, sp: int = 1, timeout: float = 180.0) -> list:
     for _ in range(3):
         try:
-            return _run_once(fn, world_size, args, tp, pp, timeout)
+            return _run_once(fn, world_size, args, tp, pp, sp, timeout)
         except _PortTaken:
             continue  # another job took the free port between our probe and the rendezvous
-    return _run_once(fn, world_size, args, tp, pp, timeout)
+    return _run_once(fn, world_size, args, tp, pp, sp, timeout)
 
 
 class _PortTaken(RuntimeError):
     pass
 
 
-def _run_once(fn, world_size: int, args: tuple, tp: int, pp: int, timeout: float) -> list:
+def _run_once(fn, world_size: int, args: tuple, tp: int, pp: int, sp: int, timeout: float) -> list:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tp, pp, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tp, pp, sp, fn, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -36,7 +36,7 @@ class FP8Options:
     amax_history_len: int = 1  # delayed scaling: amax values remembered (Transformer Engine)
     amax_compute_algo: str = "most_recent"  # delayed scaling: most_recent | max over that history
     recipe: str = "tensorwise"  # torchao dynamic scaling granularity: tensorwise | rowwise
-    msamp_opt_level: str = "O1"  # MS-AMP: O1 FP8 weights/grads, O2 + FP8 Adam moments, O3 + ZeRO
+    msamp_opt_level: str = "O2"  # MS-AMP: O1 FP8 weights/grads, O2 + low-bit Adam moments, O3 + FP8 ZeRO
 
 
 class FP8Engine:
@@ -52,9 +52,22 @@ class FP8Engine:
         """What this machine lacks to run the engine (a library, a version), or None when it can run."""
         raise NotImplementedError
 
-    def convert(self, model: nn.Module) -> nn.Module:
-        """Swap the local GEMMs of ``model`` (``local_gemms``) for the engine's FP8 linears."""
+    def convert(self, model: nn.Module, state=None) -> nn.Module:
+        """Swap the local GEMMs of ``model`` (``local_gemms``) for the engine's FP8 linears. ``state``: the
+        run's ParallelState (None in a single process), for an engine that communicates while converting."""
         raise NotImplementedError
+
+    def build_optimizer(self, param_groups: list[dict], lr: float, betas: tuple[float, float],
+                        eps: float) -> torch.optim.Optimizer | None:
+        """The engine's own optimizer over ``param_groups`` (MS-AMP: LBAdamW), or None for mds's AdamW."""
+        return None
+
+    def deepspeed_initialize(self):
+        """The function that builds the DeepSpeed engine: ``deepspeed.initialize`` unless the engine brings its
+        own integration (MS-AMP: ``msamp.deepspeed.initialize``), with the same keyword arguments."""
+        import deepspeed
+
+        return deepspeed.initialize
 
     def describe(self) -> str:
         """For the start-up line: the engine and its recipe."""

@@ -12,7 +12,10 @@ so no collective runs per GEMM and pipeline stages never wait on each other. TE 
 and the scales as ``<layer>.local._extra_state`` in the model's state dict, so checkpoints restore them
 (DeepSpeed writes data-parallel rank 0's model states: the other data-parallel ranks resume with its history).
 
-The names used here are listed in ``TE_API`` and checked against TE's sources by tests/precision/test_te_api.py.
+The names used here are listed in ``TE_API`` and checked against TE's sources by tests/precision/test_te_api.py:
+TE 1.13 (the NGC image's, in `make test`) and TE 1.1 (the MS-AMP image's, marked upstream_src), which has them all.
+In TE 1.1 the extra state is a pickled ``io.BytesIO`` (later versions: a uint8 tensor); both load through
+DeepSpeed's strict module load, and the weight exporters leave it out (checkpoint/shards.py).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class TransformerEngine(FP8Engine):
             kwargs["reduce_amax"] = False
         return DelayedScaling(**kwargs)
 
-    def convert(self, model: nn.Module) -> nn.Module:
+    def convert(self, model: nn.Module, state=None) -> nn.Module:
         import transformer_engine.pytorch as te
 
         recipe = self.recipe()

@@ -40,7 +40,7 @@ class TorchaoEngine(FP8Engine):
             return Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))
         return Float8LinearConfig()
 
-    def convert(self, model: nn.Module) -> nn.Module:
+    def convert(self, model: nn.Module, state=None) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
 
         chosen = {id(m) for m in local_gemms(model).values()}

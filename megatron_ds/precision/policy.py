@@ -55,13 +55,13 @@ class Precision:
             }
         return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
 
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, state=None) -> torch.nn.Module:
         """FP8: the engine swaps the transformer layers' local GEMMs for its own (before DeepSpeed and before
         the first forward, so --torch-compile traces the FP8 modules).
 
         bf16/fp16/fp32 need nothing: DeepSpeed casts the module and keeps fp32 master weights.
         """
-        return model if self.fp8 is None else self.fp8.convert(model)
+        return model if self.fp8 is None else self.fp8.convert(model, state)
 
 
 def from_args(args) -> Precision:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 from megatron_ds.precision import Precision
+from megatron_ds.training import ulysses_zero
 
 
 def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
@@ -25,6 +26,8 @@ def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
     })
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = args.zero_stage
+    if ulysses_zero.applies(args.zero_stage, getattr(args, "ds_sequence_parallel_size", 1) or 1):
+        zero["reduce_scatter"] = True  # the one reduction path its backward scale is right for (ulysses_zero.py)
     config["zero_optimization"] = zero
     for section, ours in precision.deepspeed_config().items():
         # The user's keys win (e.g. bf16.immediate_grad_update, the fp16 loss scaling of the file, as under

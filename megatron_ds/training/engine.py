@@ -4,7 +4,8 @@ PP > 1: DeepSpeed's PipelineModule from the model's stage specs (tied embeddings
 PipeModelDataParallelTopology in the same rank order as megatron_ds.parallel.state) and its pipeline
 engine (ZeRO-0/1). PP = 1: the plain GPTModel on a plain DeepSpeed engine (ZeRO 0-3), which is also
 what --no-pipeline-parallel asks for. Ulysses (--ds-sequence-parallel-size, PP = TP = 1): the GPTModel
-gets the SP group; DeepSpeed learns it from our mpu and reduces (ZeRO: partitions) over DP x SP.
+gets the SP group; DeepSpeed learns it from our mpu and reduces (ZeRO: partitions) over DP x SP; under
+ZeRO-3 we partition the module over DP x SP ourselves and scale the backward (training/ulysses_zero.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
 from megatron_ds.training.lr_schedule import ScheduledLR
 from megatron_ds.training.lr_schedule import from_args as schedule_from_args
+from megatron_ds.training.ulysses_zero import backward_scale, partition_over_sequence_data_parallel
 
 
 def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfig:
@@ -100,11 +102,12 @@ class AdamW(torch.optim.AdamW):
 
 
 def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's split: weight decay on matrices, none on biases and norm weights (1-D)."""
+    """Megatron's split: weight decay on matrices, none on biases and norm weights (1-D). (len(shape): MS-AMP's
+    FP8 weights are ScalingParameters, which have a shape but no dim().)"""
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(p.shape) >= 2 else no_decay).append(p)
     return [g for g in ({"params": decay, "weight_decay": weight_decay},
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
@@ -142,6 +145,7 @@ class Built:
     pipelined: bool
     config: GPTConfig
     attention_backend: str
+    backward_scale: float = 1.0  # on the loss given to engine.backward (ZeRO-3 under Ulysses: SP)
 
 
 def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
@@ -155,17 +159,21 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     module = (pipeline_module(config, state) if pipelined
               else GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
-    module = precision.wrap_model(module)
+    module = precision.wrap_model(module, state)
     # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)
     ds_config = build_ds_config(args, precision, on_cpu=not torch.cuda.is_available())
     optimizer = lr_scheduler = None
     own_lr = not scheduler_from_config(ds_config)
+    param_groups = _param_groups(module, args.weight_decay)  # by shape: before any ZeRO-3 partitioning
     if not optimizer_from_config(ds_config):
         kwargs = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-        if torch.cuda.is_available():
-            kwargs["fused"] = True
-        optimizer = AdamW(_param_groups(module, args.weight_decay), **kwargs)
-        if args.zero_stage == 0 and precision.name == "fp32":
+        # an FP8 engine may bring its optimizer (MS-AMP: LBAdamW, which steps its FP8 weights)
+        optimizer = precision.fp8.build_optimizer(param_groups, **kwargs) if precision.fp8 is not None else None
+        if optimizer is None:
+            if torch.cuda.is_available():
+                kwargs["fused"] = True
+            optimizer = AdamW(param_groups, **kwargs)
+        if args.zero_stage == 0 and precision.name == "fp32" and isinstance(optimizer, AdamW):
             optimizer.norm_fn = grad_norm_fn(module, state, pipelined)
             optimizer.max_norm = args.clip_grad
             ds_config["gradient_clipping"] = 0.0  # we clip, with the correct norm
@@ -178,10 +186,15 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     if own_lr:
         lr_scheduler = (ScheduledLR(optimizer, schedule, apply_now=False) if optimizer is not None
                         else (lambda opt: ScheduledLR(opt, schedule)))
+    scale = backward_scale(args.zero_stage, state.sp_size)
+    if scale != 1.0:
+        partition_over_sequence_data_parallel(module, state, ds_config)
     # 4. DeepSpeed: the pipeline engine takes its grid from the PipelineModule, the plain one our mpu
-    engine, _, _, _ = deepspeed.initialize(
+    #    (MS-AMP: its DeepSpeed integration, same arguments, which wraps LBAdamW in its FP8 (ZeRO) optimizer)
+    initialize = precision.fp8.deepspeed_initialize() if precision.fp8 is not None else deepspeed.initialize
+    engine, _, _, _ = initialize(
         model=module, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
-        model_parameters=None if optimizer is not None else _param_groups(module, args.weight_decay),
+        model_parameters=None if optimizer is not None else param_groups,
         mpu=None if pipelined else state.mpu(), dist_init_required=False)
     if optimizer is not None:
         if optimizer.state:
@@ -193,7 +206,24 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
         else:
             for group in optimizer.param_groups:
                 group["lr"] = args.lr
-    return Built(engine, pipelined, config, _resolved_backend(module))
+    return Built(engine, pipelined, config, _resolved_backend(module), scale)
+
+
+def unpatched_step_notice(engine) -> str | None:
+    """A start-up notice where DeepSpeed's bf16 step on CUDA still reads the gradient norm on the host.
+
+    patches/deepspeed (0002, 0003; applied in every image) keep that step on the device: GPT-1.3B on an H200
+    runs 7% faster with them (bench/RESULTS.md). A pip install outside the images runs DeepSpeed as released.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda or optimizer is None or type(optimizer).__name__ not in ("DeepSpeedZeroOptimizer", "BF16_Optimizer"):
+        return None
+    if hasattr(optimizer, "_can_step_on_device"):
+        return None
+    return ("notice: DeepSpeed without patches/deepspeed: each bf16 optimizer step waits for the host to read the "
+            "gradient norm (7% of a GPT-1.3B step on an H200); the images apply them, elsewhere run "
+            "`python patches/apply deepspeed --installed deepspeed` from the mds source tree")
 
 
 def _resolved_backend(module: torch.nn.Module) -> str:

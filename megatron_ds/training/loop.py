@@ -194,7 +194,7 @@ class Trainer:
         from megatron_ds.data.tokenizers import build_tokenizer
         from megatron_ds.parallel.state import init_parallel
         from megatron_ds.precision import from_args as precision_from_args
-        from megatron_ds.training.engine import build_engine
+        from megatron_ds.training.engine import build_engine, unpatched_step_notice
 
         args = self.args
         self.device = _device()
@@ -214,6 +214,7 @@ class Trainer:
         self.precision = precision_from_args(args)
         built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
+        self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
@@ -226,6 +227,9 @@ class Trainer:
              f"{self.config.num_parameters() / 1e6:.2f}M parameters, {self.config.flops_per_token() / 1e9:.3f} "
              f"GFLOP/token; global batch {args.global_batch_size} = micro {args.micro_batch_size} x DP {s.dp_size} "
              f"x {args.gradient_accumulation_steps} accumulation steps")
+        notice = unpatched_step_notice(self.engine)
+        if notice:
+            _log(notice)
         if args.attention_backend == "auto" and (args.use_flash_attn_v1 or args.use_flash_attn_triton):
             _log(f"warning: flash-attn v1/triton requested; ran attention backend {built.attention_backend}")
 
@@ -278,7 +282,7 @@ class Trainer:
         for tokens, labels in self.own_work.batches(batches):
             loss = self.engine(tokens, labels).mean()
             self.own_work.forward_done()
-            self.engine.backward(loss)
+            self.engine.backward(loss * self.backward_scale if self.backward_scale != 1.0 else loss)
             self.engine.step()
             total += loss.detach().float()
         return self._dp_mean(total / len(batches))
@@ -323,12 +327,18 @@ class Trainer:
         norm = float(norm)
         return norm if math.isfinite(norm) else float("nan")
 
+    def _skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient: DeepSpeed's count, plus those our patched bf16 optimizers
+        skip on the device (patches/deepspeed 0002/0003: counted there, read here at log points only)."""
+        on_device = getattr(self.engine.optimizer, "skipped_on_device", None)
+        return self.engine.skipped_steps + (int(on_device) if on_device is not None else 0)
+
     def _log_train(self, st: TrainState, lr: float, losses: LossSinceLastLog, timer: IntervalTimer) -> None:
         """The log line of the steps since the last one: mean loss and step time."""
         step_time = timer.take() / losses.steps
         rank_times = RankTimes(gather(self.own_work.take() / losses.steps, self.device)) if self.own_work.enabled \
             else None  # one all_gather per log point
-        loss, skipped = losses.take(self.engine.skipped_steps)
+        loss, skipped = losses.take(self._skipped_steps())
         stats = StepStats(st.iteration, st.consumed_train_samples, loss, lr, self._grad_norm(),
                           self._loss_scale(), step_time, rank_times)
         self.metrics.log_train(stats, skipped=skipped)
@@ -338,7 +348,7 @@ class Trainer:
         self.setup()
         st = TrainState()  # the loop's position; self.parallel is the TP/PP/DP layout
         self.checkpointer.load(st)
-        losses = LossSinceLastLog(self.device, self.engine.skipped_steps)
+        losses = LossSinceLastLog(self.device, self._skipped_steps())
         timer = IntervalTimer(self.device)
         reason, first_step = None, True
         try:

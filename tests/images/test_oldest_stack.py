@@ -250,3 +250,19 @@ def test_deepspeed_names_exist_in_0_13_1():
             if (name == "deepspeed" or name.startswith("deepspeed.")) and not guarded and not index.resolves(name):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert not bad, "not in DeepSpeed 0.13.1 (guard it, or use an API 0.13.1 has):\n" + "\n".join(bad)
+
+
+def test_ulysses_is_refused_on_deepspeed_0_13_1():
+    """0.13.1's DistributedAttention.forward(query, key, value, *args) has no batch_dim_idx (0.15.0 added it), so
+    our call would hand the 0 to the attention core and scatter batch-first tensors as sequence-first. Validation
+    reads the installed signature (rules.ulysses_unavailable) and refuses it, exit 2, naming the flag."""
+    from megatron_ds.training.arguments.rules import distributed_attention_unfit
+
+    tree = ast.parse((deepspeed_old_source() / "deepspeed" / "sequence" / "layer.py").read_text())
+    attention = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DistributedAttention")
+    forward = next(n for n in attention.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    names = [a.arg for a in [*forward.args.posonlyargs, *forward.args.args, *forward.args.kwonlyargs]]
+    assert names[:4] == ["self", "query", "key", "value"] and forward.args.vararg is not None
+    why = distributed_attention_unfit(names, "0.13.1")
+    assert why is not None and "no batch_dim_idx" in why
+    assert distributed_attention_unfit([*names[:4], "batch_dim_idx"], "0.19.8") is None

@@ -64,7 +64,7 @@ def test_engine_selection():
     def engine(*flags):
         return engine_from_args(parse_args(["--num-layers", "1", *flags], env={})).name
 
-    # auto: Transformer Engine where it can run here (not installed, and not driven by mds yet), else torchao
+    # auto: Transformer Engine where it can run here (not installed here), else torchao
     assert engine("--fp8-hybrid") == "torchao"
     assert engine("--fp8-hybrid", "--fp8-engine", "auto") == "torchao"
     assert engine("--fp8-hybrid", "--fp8-engine", "te") == "te"
@@ -121,7 +121,7 @@ def test_gemm_sizes_not_multiples_of_16_are_refused(files, extra, flag, what):
 
 
 def test_msamp_and_transformer_engine_missing_are_refused_naming_the_flag(files):
-    err = refused(files, ["--bf16", "--msamp", "--msamp-opt-level", "O3"])
+    err = refused(files, ["--bf16", "--msamp", "--msamp-opt-level", "O3", "--zero-stage", "1"])
     assert err.flag == "--msamp" and "MS-AMP is not installed" in str(err)
     err = refused(files, ["--bf16", "--fp8-hybrid", "--transformer-impl", "transformer_engine"])
     assert err.flag == "--transformer-impl" and "needs Transformer Engine, which is not installed" in str(err)
@@ -173,3 +173,93 @@ def test_delayed_scaling_values_are_checked(files):
     err = refused(files, ["--bf16", "--fp8-hybrid", "--fp8-amax-history-len", "0"])
     assert err.flag == "--fp8-amax-history-len" and "must be positive (got 0)" in str(err)
     assert refused(files, ["--bf16", "--fp8-hybrid", "--fp8-interval", "0"]).flag == "--fp8-interval"
+
+
+@pytest.mark.parametrize("extra, flag, message", [
+    (["--msamp-opt-level", "O3"], "--msamp-opt-level", "O3 is MS-AMP's FP8 ZeRO optimizer: it needs --zero-stage 1 "
+     "or 2 (got 0)"),
+    (["--msamp-opt-level", "O2", "--zero-stage", "2"], "--zero-stage", "2 with MS-AMP is --msamp-opt-level O3"),
+    (["--zero-stage", "1"], "--zero-stage", "O2 runs without ZeRO"),  # the default level: O2, as MS-AMP's patch
+    (["--msamp-opt-level", "O3", "--zero-stage", "3"], "--msamp-opt-level", "needs --zero-stage 1 or 2 (got 3)"),
+    (["--msamp-opt-level", "O2", "--use-distributed-optimizer"], "--zero-stage", "1 with MS-AMP is --msamp-opt-level O3"),
+    (["--torch-compile"], "--torch-compile", "is not supported with MS-AMP"),
+])
+def test_msamp_levels_and_layouts_are_checked_before_its_library(files, extra, flag, message):
+    err = refused(files, ["--bf16", "--msamp", *extra])
+    assert err.flag == flag and message in str(err), str(err)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"msamp": {"enabled": True, "opt_level": "O2"}}, "has an msamp section; mds sets MS-AMP up from --msamp"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, "defines an optimizer; MS-AMP steps its FP8 weights"),
+])
+def test_msamp_refuses_deepspeed_config_sections_it_would_conflict_with(files, tmp_path, section, message):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, **section}))
+    err = refused(files, ["--bf16", "--msamp", "--deepspeed", "--deepspeed_config", str(path)])
+    assert err.flag == "--deepspeed_config" and message in str(err), str(err)
+
+
+def test_the_flag_a_refusal_names_is_the_one_that_chose_the_engine():
+    from megatron_ds.training.arguments.rules_fp8 import engine_flag
+
+    def flag(name, *flags):
+        return engine_flag(parse_args(["--num-layers", "1", *flags], env={}), name, "--fp8-hybrid")
+
+    assert flag("msamp", "--msamp") == "--msamp"
+    assert flag("msamp", "--fp8-hybrid", "--fp8-engine", "msamp") == "--fp8-engine"
+    assert flag("te", "--fp8-hybrid", "--transformer-impl", "transformer_engine") == "--transformer-impl"
+    assert flag("te", "--fp8-hybrid", "--fp8-engine", "te") == "--fp8-engine"
+    assert flag("torchao", "--fp8-hybrid", "--fp8-engine", "torchao") == "--fp8-engine"
+    assert flag("torchao", "--fp8-hybrid") == "--fp8-hybrid"
+
+
+def test_msamp_runs_without_fp8_gemms_with_a_notice_and_the_others_are_refused():
+    from megatron_ds.precision.fp8 import FP8Options
+    from megatron_ds.precision.fp8_msamp import MSAMPEngine
+    from megatron_ds.precision.fp8_torchao import TorchaoEngine
+    from megatron_ds.training.arguments.rules_fp8 import gemm_capability
+
+    msamp, torchao = MSAMPEngine(FP8Options()), TorchaoEngine(FP8Options())
+    notice = gemm_capability(msamp, "--msamp", (8, 0))  # A100
+    assert notice.startswith("note: --msamp: the GPU has compute capability 8.0")
+    assert "multiplies in higher precision there, as it documents" in notice
+    assert gemm_capability(msamp, "--msamp", (9, 0)) is None and gemm_capability(torchao, "--fp8-hybrid", (8, 9)) is None
+    with pytest.raises(ConfigError, match="FP8 engine torchao: the GPU has compute capability 8.0"):
+        gemm_capability(torchao, "--fp8-hybrid", (8, 0))
+    with pytest.raises(ConfigError, match="FP8 engine msamp: no GPU is visible"):
+        gemm_capability(msamp, "--msamp", None)
+
+
+def test_msamp_not_installed_exits_2_naming_it_before_any_process_group(files, capsys):
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from megatron_ds.training.cli import main
+
+    assert importlib.util.find_spec("msamp") is None  # this machine: MS-AMP ships in the MS-AMP image only
+    for level in (["--msamp-opt-level", "O1"], ["--msamp-opt-level", "O2"], ["--msamp-opt-level", "O3",
+                                                                              "--zero-stage", "2"]):
+        assert main(base(files, "--bf16", "--msamp", *level)) == 2
+        err = capsys.readouterr().err
+        assert "error: --msamp: FP8 engine msamp: MS-AMP is not installed (msamp is not importable)" in err, err
+    assert not dist.is_initialized()
+
+
+def test_msamp_notes():
+    from megatron_ds.precision.fp8 import FP8Options
+    from megatron_ds.precision.fp8_msamp import MSAMPEngine
+
+    engine = MSAMPEngine(FP8Options(msamp_opt_level="O3"))
+    assert engine.describe() == "msamp (MS-AMP O3: FP8Linear, LBAdamW moments uint8/float16, FP8 ZeRO)"
+    assert MSAMPEngine(FP8Options(msamp_opt_level="O1")).describe() == ("msamp (MS-AMP O1: FP8Linear, LBAdamW "
+                                                                         "moments float32/float32)")
+    assert parse_args(["--num-layers", "1", "--msamp"], env={}).msamp_opt_level == "O2"  # MS-AMP's patch default
+    notes = engine.notes({"--bf16", "--fp8-margin"})
+    assert notes[0].startswith("note: --fp8-margin accepted and ignored: MS-AMP keeps its own scaling")
+    assert notes[1] == ("note: --bf16 with MS-AMP: its FP8Linear weights are fp16 (with a scaling meta) whatever the "
+                        "model dtype")
+    assert engine.notes({"--fp16"}) == []

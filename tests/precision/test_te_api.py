@@ -3,6 +3,10 @@ the TE version the NGC image pins (cuda/versions TE_VERSION), read statically: T
 
 The pure-Python wheel comes from the package index into .cache/fp8-sources (as `make oldest-stack-sources`
 fetches DeepSpeed 0.13.1); MDS_TE_SRC=<dir containing transformer_engine/> uses a checkout instead.
+
+The MS-AMP image has its own, older TE (cuda/versions MSAMP_TE_REF, v1.1), and the TE engine runs there too: the
+upstream_src tests check the same names against a checkout of that tag (MDS_MSAMP_TE_SRC=<NVIDIA/TransformerEngine
+at v1.1>; CI cannot fetch it): `pytest -m upstream_src tests/precision`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from fp8_sources import SourceTree, takes_any_keyword
+from fp8_sources import accepted_names as source_accepts
 
 from megatron_ds.precision.fp8_te import TE_API
 
@@ -99,3 +106,54 @@ def test_every_te_name_and_keyword_we_use_exists_in_the_pinned_version(te_source
             assert attribute in defined, f"{module}.{attribute}: no definition found"
             missing = set(keywords) - accepted_names(defined[attribute])
             assert not missing, f"{module}.{attribute} does not take {sorted(missing)} in TE {pinned_te_version()}"
+
+
+# ------------------------------------------------------------------ the MS-AMP image's TE (upstream_src)
+
+def msamp_te_ref() -> str:
+    for line in (ROOT / "cuda" / "versions").read_text().splitlines():
+        if line.startswith("MSAMP_TE_REF="):
+            return line.split("=", 1)[1].strip()
+    raise AssertionError("cuda/versions has no MSAMP_TE_REF")
+
+
+@pytest.fixture(scope="module")
+def msamp_te_source() -> SourceTree:
+    ref = msamp_te_ref()
+    source = os.environ.get("MDS_MSAMP_TE_SRC")
+    assert source, f"set MDS_MSAMP_TE_SRC to a checkout of NVIDIA/TransformerEngine at {ref} (the MS-AMP image's TE)"
+    root = Path(source)
+    version = (root / "VERSION").read_text().strip() if (root / "VERSION").is_file() else "?"
+    assert version.startswith(ref.lstrip("v") + "."), f"{root} is TE {version}, not {ref}"
+    return SourceTree(root)
+
+
+@pytest.mark.upstream_src
+def test_every_te_name_and_keyword_we_use_exists_in_the_msamp_images_te(msamp_te_source):
+    ref = msamp_te_ref()
+    for module, attributes in TE_API.items():
+        # TE 1.1: transformer_engine/common/recipe.py (a module); later: a package
+        assert msamp_te_source.module_file(module), f"{module} does not exist in TE {ref}"
+        public = msamp_te_source.exported(module)
+        for attribute, keywords in attributes.items():
+            assert attribute in public, f"{module}.{attribute} is not exported by TE {ref}"
+            node = msamp_te_source.find(f"{module}:{attribute}")
+            assert node is not None, f"{module}.{attribute}: no definition found in TE {ref}"
+            missing = set(keywords) - source_accepts(node)
+            assert not missing or takes_any_keyword(node), f"{module}.{attribute} does not take {sorted(missing)} in TE {ref}"
+
+
+@pytest.mark.upstream_src
+def test_msamp_images_te_keeps_fp8_state_in_extra_state_and_uses_our_weight(msamp_te_source):
+    """What fp8_te.py relies on beyond names, in TE 1.1: the FP8 scales and amax history are the module's extra
+    state (a pickled BytesIO there, a uint8 tensor in later versions: shards.py leaves it out of exports), and
+    te.Linear's forward reads ``self.weight`` when no parameters_split is given (so the Parameter we assign is
+    the one multiplied)."""
+    import ast
+
+    base = msamp_te_source.find("transformer_engine.pytorch.module.base:TransformerEngineBaseModule")
+    get_extra = next(n for n in base.body if isinstance(n, ast.FunctionDef) and n.name == "get_extra_state")
+    text = ast.unparse(get_extra)
+    assert "amax_history_fwd" in text and "scale_fwd" in text and "BytesIO" in text
+    forward = msamp_te_source.find("transformer_engine.pytorch.module.linear:Linear.forward")
+    assert "self.weight if self.parameters_split is None" in ast.unparse(forward)

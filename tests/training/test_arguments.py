@@ -191,6 +191,8 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert not on and len(notices) == 1 and "--ds-sequence-parallel-size 2" in notices[0], notices
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
     assert "Transformer Engine" in rules.compile_off_reason(te, rules._layout(te, 1))
+    msamp = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={})
+    assert "MS-AMP" in rules.compile_off_reason(msamp, rules._layout(msamp, 1))
     check(files, ["--torch-compile", "--tensor-model-parallel-size", "2"], 2, "--torch-compile",
           "not with --tensor-model-parallel-size 2 yet")  # the explicit flag is still refused
 

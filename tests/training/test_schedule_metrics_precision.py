@@ -82,3 +82,18 @@ def test_ds_config_sequence_parallel_keeps_pipeline_activations_whole():
     config = build_ds_config(args, Precision("fp32", torch.float32), on_cpu=True)
     assert config["pipeline"] == {"activation_checkpoint_interval": 0, "pipe_partitioned": False,
                                   "grad_partitioned": False}
+
+
+def test_ds_config_ulysses_zero3_pins_reduce_scatter():
+    """training/ulysses_zero.py: the SP backward scale is right for stage 3's reduce-scatter path only."""
+    from types import SimpleNamespace
+
+    def zero_section(stage: int, sp: int) -> dict:
+        args = SimpleNamespace(ds_config_file={"zero_optimization": {"reduce_bucket_size": 5}}, global_batch_size=4,
+                               micro_batch_size=2, gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=stage,
+                               sequence_parallel=False, ds_sequence_parallel_size=sp)
+        return build_ds_config(args, Precision("fp32", torch.float32), on_cpu=True)["zero_optimization"]
+
+    assert zero_section(3, 2) == {"reduce_bucket_size": 5, "stage": 3, "reduce_scatter": True}
+    assert zero_section(3, 1) == {"reduce_bucket_size": 5, "stage": 3}
+    assert zero_section(2, 2) == {"reduce_bucket_size": 5, "stage": 2}

@@ -5,6 +5,8 @@
   DeepSpeed config file fills what the flags left open.
 - rules.py: `validate` checks every rule before any process group or device exists and raises ConfigError
   naming the flag and the rule; the CLI turns that into exit code 2.
+- rules_fp8.py: the FP8 rules validate calls (flags, GEMM sizes, MS-AMP's levels and layouts, the engine's library
+  and the GPU).
 """
 
 from megatron_ds.training.arguments.flags import (

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "adds fused (bench/RESULTS.md has the speed-up; the start-up log prints the compile time). "
                         "Default: on with a CUDA GPU, off on CPU (there the compile time dominates small runs and "
                         "CI) and on ROCm (untested); off, with a notice, where mds cannot compile yet (tensor "
-                        "parallelism, --ds-sequence-parallel-size, Transformer Engine FP8), where the explicit "
+                        "parallelism, --ds-sequence-parallel-size, Transformer Engine FP8, MS-AMP), where the explicit "
                         "flag is refused. A compile failure falls back to the eager layers with one warning. "
                         "--no-torch-compile: eager")
 
@@ -195,9 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="local: mds's layers; transformer_engine: FP8 through Transformer Engine (needs it installed)")
     g.add_argument("--msamp", action="store_true", help="FP8 through MS-AMP (MS-AMP's Megatron-DeepSpeed patch)")
-    g.add_argument("--msamp-opt-level", choices=["O1", "O2", "O3"], default="O1",
-                   help="MS-AMP: O1 FP8 weights and weight gradients; O2 + FP8/FP16 Adam moments (LBAdamW); "
-                        "O3 + ZeRO through MS-AMP's DeepSpeed integration")
+    g.add_argument("--msamp-opt-level", choices=["O1", "O2", "O3"], default="O2",  # the MS-AMP patch's default
+                   help="MS-AMP: O1 FP8 GEMMs, weights and weight gradients (LBAdamW, fp32 moments); O2 + uint8/fp16 "
+                        "Adam moments; O3 + MS-AMP's FP8 ZeRO (--zero-stage 1 or 2). Default O2, as MS-AMP's "
+                        "Megatron-DeepSpeed patch")
 
     g = p.add_argument_group("parallelism and DeepSpeed")
     g.add_argument("--tensor-model-parallel-size", type=int)

@@ -12,6 +12,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
+from megatron_ds.training.arguments import rules_fp8
 from megatron_ds.training.arguments.flags import ConfigError
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
 
@@ -37,8 +38,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     dims = _layout(args, world_size)
     _ulysses(args, dims)
     _model_shape(args, dims)
-    _fp8_shape(args, dims)
+    rules_fp8.fp8_shape(args, dims)
     _parallel_features(args)
+    rules_fp8.msamp_layout(args, dims)
     _batch(args, dims.dp)
     _schedule(args)
     _checkpoints(args)
@@ -103,32 +105,10 @@ def _filled_values_given(args: argparse.Namespace) -> None:
 
 
 def _precision(args: argparse.Namespace) -> None:
-    """One of bf16/fp16; FP8 beside one of them, with one engine asked for."""
-    from megatron_ds.precision.fp8 import fp8_requested
-
+    """One of bf16/fp16; FP8 beside one of them, with one engine asked for (rules_fp8)."""
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16", "cannot be combined with --fp16; choose one")
-    fp8_flag = fp8_requested(args)
-    if args.msamp and args.fp8_engine not in ("auto", "msamp"):
-        raise ConfigError("--fp8-engine", f"{args.fp8_engine} conflicts with --msamp (which selects MS-AMP)")
-    if args.transformer_impl == "transformer_engine" and args.fp8_engine in ("torchao",):
-        raise ConfigError("--fp8-engine", "torchao conflicts with --transformer-impl transformer_engine")
-    if fp8_flag is None:
-        if args.fp8_engine != "auto":
-            raise ConfigError("--fp8-engine", f"{args.fp8_engine} selects the FP8 engine, but FP8 is off: add "
-                              "--fp8-format hybrid (or e4m3)")
-        for flag in ("--fp8-recipe", "--msamp-opt-level"):
-            if any(a.split("=")[0] == flag for a in args.argv):
-                raise ConfigError(flag, "applies to FP8 training, which is off: add --fp8-format hybrid (or e4m3)")
-        return
-    if not (args.bf16 or args.fp16):
-        raise ConfigError(fp8_flag, "FP8 runs beside --bf16 or --fp16 (their parameters, master weights and "
-                          "non-GEMM math); with fp32 parameters there is nothing to run beside: add --bf16")
-    if args.fp8_margin < 0:
-        raise ConfigError("--fp8-margin", f"must be >= 0 (got {args.fp8_margin})")
-    for flag in ("--fp8-interval", "--fp8-amax-history-len"):
-        if getattr(args, _dest(flag)) <= 0:
-            raise ConfigError(flag, f"must be positive (got {getattr(args, _dest(flag))})")
+    rules_fp8.fp8_flags(args)
 
 
 def _without_flag(flag: str | None, message: str) -> str:
@@ -163,11 +143,16 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
     if args.seq_length % sp:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp} does not divide --seq-length {args.seq_length} "
                           "(every sequence-parallel rank holds an equal slice)")
-    if args.zero_stage == 3:
-        # Found by tests/training/test_ulysses.py: SP 2 + ZeRO-3 trains with a wrong gradient (iteration-1 norm
-        # 1.31 against 2.29 single-process) while ZeRO-0/1/2 match within 1e-7. Refused until understood.
-        raise ConfigError("--zero-stage", f"ZeRO-3 with --ds-sequence-parallel-size {sp} is not supported yet (its "
-                          "gradients do not match the single-process run); use ZeRO-0, 1 or 2")
+    zero_file = (args.ds_config_file or {}).get("zero_optimization") or {}
+    if args.zero_stage == 3 and zero_file.get("reduce_scatter") is False:
+        # training/ulysses_zero.py: the backward scale that makes ZeRO-3 average over DP only is right for
+        # stage 3's reduce-scatter path; its all-reduce path divides differently.
+        raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 needs zero_optimization.reduce_scatter "
+                          f"on, and {args.deepspeed_config} sets it false; remove it or set it true")
+    if args.zero_stage == 3 and zero_file.get("zero_quantized_gradients"):
+        raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 is not combined with "
+                          f"zero_optimization.zero_quantized_gradients ({args.deepspeed_config}): its all-to-all "
+                          "reduction spans the whole world, not the data x sequence parallel group")
     if args.torch_compile:
         raise ConfigError("--torch-compile", f"not supported with --ds-sequence-parallel-size {sp} (DeepSpeed's "
                           "all-to-all inside a compiled layer is untested in mds)")
@@ -176,17 +161,32 @@ def _ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
 
 
 def ulysses_unavailable() -> str | None:
-    """Why DeepSpeed's sequence-parallel attention cannot be imported here (None when it can): DeepSpeed
-    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op)."""
-    try:
-        from deepspeed.sequence.layer import DistributedAttention  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
-        import deepspeed
-        import torch
+    """Why DeepSpeed's sequence-parallel attention cannot run mds's Ulysses here (None when it can): DeepSpeed
+    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op); DeepSpeed < 0.15 (0.13.1 in
+    the MS-AMP image) has DistributedAttention without the batch_dim_idx our call passes."""
+    import deepspeed
+    import torch
 
+    try:
+        from deepspeed.sequence.layer import DistributedAttention
+    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
         return (f"deepspeed.sequence.layer does not import with DeepSpeed {deepspeed.__version__} and torch "
                 f"{torch.__version__} ({type(err).__name__}: {err})")
-    return None
+    import inspect
+
+    return distributed_attention_unfit(inspect.signature(DistributedAttention.forward).parameters,
+                                       deepspeed.__version__)
+
+
+def distributed_attention_unfit(forward_parameters, deepspeed_version: str) -> str | None:
+    """Why a DistributedAttention whose forward takes ``forward_parameters`` (names) cannot run our call (None:
+    it can). mds calls ``attn(q, k, v, 0)`` with batch-first [b, s/sp, n, d] tensors and batch_dim_idx 0
+    (model/attention.py); before DeepSpeed 0.15 forward(query, key, value, *args) has no batch_dim_idx, hands
+    the 0 on to our attention core and its all-to-all assumes sequence-first tensors."""
+    if "batch_dim_idx" in forward_parameters:
+        return None
+    return (f"DeepSpeed {deepspeed_version}'s deepspeed.sequence.layer.DistributedAttention.forward has no "
+            "batch_dim_idx (added in DeepSpeed 0.15.0), which mds's batch-first attention needs")
 
 
 def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
@@ -200,29 +200,6 @@ def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
         dims.layers_per_stage(args.num_layers)
     except (ModelConfigError, ParallelConfigError) as err:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
-
-
-def _fp8_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
-    """FP8 GEMMs need every dimension, per TP rank, to be a multiple of 16 (the tokens of a micro-batch too:
-    they are the inner dimension of the weight-gradient GEMM)."""
-    from megatron_ds.model.config import default_ffn_hidden_size
-    from megatron_ds.precision.fp8 import FP8_DIM_MULTIPLE as M
-    from megatron_ds.precision.fp8 import fp8_requested
-
-    fp8_flag = fp8_requested(args)
-    if fp8_flag is None:
-        return
-    tp, h = dims.tp, args.hidden_size
-    ffn = args.ffn_hidden_size or default_ffn_hidden_size(h, args.swiglu)
-    d = h // args.num_attention_heads
-    qkv = d * (args.num_attention_heads + 2 * (args.num_key_value_heads or args.num_attention_heads))
-    for flag, what, size in (("--hidden-size", "hidden size", h), ("--hidden-size", "hidden size per TP rank", h // tp),
-                             ("--ffn-hidden-size", "FFN hidden size per TP rank", ffn // tp),
-                             ("--num-key-value-heads", "fused QKV width per TP rank", qkv // tp),
-                             ("--micro-batch-size", "tokens per micro-batch (--seq-length x --micro-batch-size)",
-                              args.seq_length * args.micro_batch_size)):
-        if size % M:
-            raise ConfigError(flag, f"{fp8_flag}: FP8 matrix multiplies need multiples of {M}; the {what} is {size}")
 
 
 def _megatron_equivalents(args: argparse.Namespace) -> None:
@@ -403,50 +380,9 @@ def _tokenizer_inputs(args: argparse.Namespace) -> None:
         raise ConfigError(err.flag, err.message) from None
 
 
-def _fp8_environment(args: argparse.Namespace) -> None:
-    """The FP8 engine's library is importable (and mds drives it: not MS-AMP yet), and the GPU has FP8 matrix multiplies
-    (MS-AMP runs without them, in higher precision, as it documents: a start-up note says so)."""
-    from megatron_ds.precision.fp8 import device_capability, engine_class, engine_name, fp8_gemm_refusal, \
-        fp8_requested, options_from_args
-    from megatron_ds.precision.fp8_te import installed as te_installed
-
-    fp8_flag = fp8_requested(args)
-    if args.transformer_impl == "transformer_engine" and not te_installed():
-        raise ConfigError("--transformer-impl", "transformer_engine needs Transformer Engine, which is not installed "
-                          "here (transformer_engine is not importable)")
-    if fp8_flag is None:
-        if args.transformer_impl == "transformer_engine":
-            raise ConfigError("--transformer-impl", "transformer_engine is used for FP8 only in mds: add --fp8-format "
-                              "hybrid, or use --transformer-impl local")
-        return
-    name = engine_name(args)
-    engine = engine_class(name)(options_from_args(args))
-    flag = {"msamp": "--msamp" if args.msamp else "--fp8-engine",
-            "te": "--transformer-impl" if args.transformer_impl == "transformer_engine" else "--fp8-engine"}.get(
-                name, "--fp8-engine" if args.fp8_engine == "torchao" else fp8_flag)
-    why = engine.missing()
-    if why is not None:
-        raise ConfigError(flag, f"FP8 engine {name}: {why}")
-    if name == "te" and args.torch_compile:
-        raise ConfigError("--torch-compile", "is not supported with Transformer Engine FP8 in mds (its fp8_autocast "
-                          "breaks the compiled layer graph); drop --torch-compile or use --fp8-engine torchao")
-    capability = device_capability()
-    refusal = fp8_gemm_refusal(capability)
-    if refusal is not None:
-        if engine.needs_fp8_gemm or capability is None:
-            raise ConfigError(flag, f"FP8 engine {name}: {refusal}")
-        args.notices.append(f"note: {flag}: {refusal}; MS-AMP keeps FP8 weights and optimizer state and multiplies "
-                            "in higher precision there, as it documents")
-    given = {a.split("=")[0] for a in args.argv if a.startswith("--")}
-    args.notices.extend(engine.notes(given))
-    if name == "torchao" and not args.torch_compile:
-        args.notices.append("warning: torchao float8 without --torch-compile is slower than bf16 (its casts run as "
-                            "separate kernels: 0.38x bf16 tokens/s for GPT-350M on an H200); add --torch-compile")
-
-
 def _environment(args: argparse.Namespace) -> None:
     """What this machine must have for the flags: the attention kernel, a GPU for fp16, tensorboard, FP8."""
-    _fp8_environment(args)
+    rules_fp8.fp8_environment(args)
     if args.attention_backend == "flash2":  # asked explicitly: it must be able to run here
         from megatron_ds.model.attention import resolve_backend
         from megatron_ds.precision import from_args
@@ -505,8 +441,11 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
         return compile_problem(dims.tp)
     if dims.sp > 1:
         return f"not with --ds-sequence-parallel-size {dims.sp} (untested inside a compiled layer)"
-    if fp8_requested(args) is not None and engine_name(args) == "te":
+    engine = engine_name(args) if fp8_requested(args) is not None else None
+    if engine == "te":
         return "not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph)"
+    if engine == "msamp":
+        return "not with MS-AMP (its FP8 weights are ScalingTensor objects, not torch tensors)"
     return None
 
 

@@ -1,0 +1,102 @@
+"""patches/deepspeed/0002 and 0003: bf16 optimizer steps without host reads of the gradient norm.
+
+The patched step must be the same step: a real DeepSpeed bf16 engine (one gloo process, torch's fused
+AdamW, clipping active) gives bit-identical weights with and without the patches, for each optimizer
+DeepSpeed picks for bf16 (BF16_Optimizer with fp32 gradient accumulation; DeepSpeedZeroOptimizer at
+ZeRO-1 and ZeRO-2, what mds runs), and a step whose gradient is not finite moves nothing, reports the norm
+as inf and leaves AdamW's step count alone.
+The patched copy of the installed DeepSpeed is made with patches/apply in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+APPLY = REPO / "patches" / "apply"
+
+DRIVER = r"""
+import json, os, sys
+import torch, deepspeed
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
+          "bf16": {"enabled": True}, "zero_optimization": {"stage": int(os.environ["ZERO"])}}
+if os.environ["ACCUM"] == "fp32":
+    config["data_types"] = {"grad_accum_dtype": "fp32"}
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+x = torch.randn(5, 8, 16)
+out = {"device_path": None, "steps": []}
+for i in range(5):
+    batch = x[i].to(torch.bfloat16)
+    if i == 3:
+        batch[0, 0] = float("inf")  # a non-finite gradient
+    loss = engine(batch).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    opt_ = engine.optimizer
+    master = (opt_.fp32_groups_flat_partition if hasattr(opt_, "fp32_groups_flat_partition")
+              else opt_.single_partition_of_fp32_groups)[0]
+    state = engine.optimizer.optimizer.state.get(master, {})
+    out["steps"].append({"norm": float(engine.get_global_grad_norm()),
+                         "weights": master.detach().tolist(),
+                         "adam_step": float(state["step"]) if "step" in state else 0.0})
+out["device_path"] = hasattr(engine.optimizer, "skipped_on_device")
+out["skipped_on_device"] = int(engine.optimizer.skipped_on_device) if out["device_path"] else None
+out["optimizer"] = type(engine.optimizer).__name__
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def patched_site(tmp_path_factory) -> Path:
+    import deepspeed
+
+    site = tmp_path_factory.mktemp("ds_patched")
+    shutil.copytree(Path(deepspeed.__file__).parent, site / "deepspeed",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, str(APPLY), "deepspeed", "--source", str(site),
+                             "--manifest", str(site / "manifest.json")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return site
+
+
+def run_driver(tmp_path: Path, site: Path | None, zero: int, accum: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(ZERO=str(zero), ACCUM=accum)
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29633")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site) if site else "", env.get("PYTHONPATH", "")) if p)
+    result = subprocess.run([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("zero,accum,optimizer", [(1, "fp32", "BF16_Optimizer"), (1, "bf16", "DeepSpeedZeroOptimizer"),
+                                                  (2, "bf16", "DeepSpeedZeroOptimizer")])
+def test_patched_bf16_step_is_the_same_step_without_host_reads(patched_site, tmp_path, zero, accum, optimizer):
+    plain = run_driver(tmp_path, None, zero, accum)
+    patched = run_driver(tmp_path, patched_site, zero, accum)
+    assert plain["optimizer"] == patched["optimizer"] == optimizer
+    assert plain["device_path"] is False and patched["device_path"] is True
+    for i, (a, b) in enumerate(zip(plain["steps"], patched["steps"])):
+        assert a["weights"] == b["weights"], f"step {i}: weights differ"
+        assert a["adam_step"] == b["adam_step"], f"step {i}: AdamW step count differs"
+        assert a["norm"] == pytest.approx(b["norm"], rel=1e-6) or a["norm"] == b["norm"]
+    # clipping was active (norm above 0.05), so the clipped path is the one compared
+    assert all(s["norm"] > 0.05 for s in patched["steps"] if s["norm"] != float("inf"))
+    # the non-finite step (index 3): nothing moved, norm reported inf, AdamW's count unchanged
+    before, bad = patched["steps"][2], patched["steps"][3]
+    assert bad["norm"] == float("inf")
+    assert bad["weights"] == before["weights"] and bad["adam_step"] == before["adam_step"] == 3.0
+    assert patched["steps"][4]["adam_step"] == 4.0
+    assert patched["skipped_on_device"] == 1
