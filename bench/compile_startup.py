@@ -99,7 +99,9 @@ def main() -> int:
         out["layers"][name] = r
         print(f"{name:14} {r['compiled']['first_step_s']:20.1f} s {r['compiled']['steady_step_ms']:12.1f} ms "
               f"{r['eager']['steady_step_ms']:9.1f} ms {r['speedup']:7.2f}x", flush=True)
-    path = os.path.join(os.environ.get("OUT") or os.getcwd(), "compile_startup.json")
+    outdir = os.environ.get("OUT") or os.getcwd()
+    os.makedirs(outdir, exist_ok=True)
+    path = os.path.join(outdir, "compile_startup.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {path}")
