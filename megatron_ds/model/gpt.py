@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulysses
 from megatron_ds.model.config import GPTConfig
+from megatron_ds.model.compiled import CompiledForward
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          seeded_normal, sequence_parallel_dropout, tp_replicated)
@@ -220,7 +221,7 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, layer_number, group)
         self.recompute = recompute_mode(config, layer_number - 1)
         if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
-            self._forward = torch.compile(self._forward)
+            self._forward = CompiledForward(self._forward)  # eager again, with one warning, if compiling fails
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

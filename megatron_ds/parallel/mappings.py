@@ -6,12 +6,34 @@ every helper is the identity, so the same model code runs without torch.distribu
 
 Two pairs work on the last (hidden) dimension, two on the first (sequence) dimension: activations
 use the [s, b, h] layout, so sequence parallelism splits dim 0 and each chunk is contiguous.
+
+The collectives are torch's functional ones (a new tensor out, then an explicit wait) wherever torch can compile
+the layer (>= 2.5), on every backend: they are what dynamo itself emits, so ``--torch-compile`` traces them as
+they are, and no autograd Function here mutates a tensor. The c10d calls write in place or into an output
+argument (``all_reduce(x)``, ``all_gather_into_tensor(out, x)``, ``all_gather(parts, x)``); dynamo rewrites them
+into in-place copies inside our Functions' forward, which torch 2.11's dynamo differentiates wrongly
+(pytorch#180642, fixed for 2.12 by #180921: the gradient goes to the wrong output, zeros arrive). That was the
+compiled TP=2 run's smaller gradient on 2 x H200 (torch 2.11); torch 2.13 on CPU matched, and torch 2.11 on CPU
+reproduces it with the c10d calls (bench/compile_tp_probe.py --cpu: compiled gradient norm 1.11 vs 1.40 eager,
+some gradients zero) and not with the functional ones. DeepSpeed#8491 is the same class of bug. Torch 2.1 keeps
+the c10d calls (it cannot compile the layer). Gloo sums 16-bit floats in fp32, as before.
+``MDS_TP_COLLECTIVES=functional|inplace`` forces one kind (inplace: the c10d calls), for tests and the probe.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
+
+from megatron_ds.torch_support import compile_problem
+
+_FORCED = os.environ.get("MDS_TP_COLLECTIVES", "")  # "", "functional" or "inplace": read once, at import
+if _FORCED not in ("", "functional", "inplace"):
+    raise ValueError(f"MDS_TP_COLLECTIVES must be functional or inplace, got {_FORCED!r}")
+# where torch compiles the layer (>= 2.5); torch 2.1 keeps the c10d calls, which nothing traces there
+_FUNCTIONAL = _FORCED == "functional" if _FORCED else compile_problem() is None
 
 
 def tp_size(group) -> int:
@@ -24,10 +46,26 @@ def tp_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _waited(x: torch.Tensor) -> torch.Tensor:
+    """The collective's result once it has arrived: eager returns a wrapper that would wait at its first use;
+    under dynamo the functional collective has already put the wait into the graph."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return x.trigger_wait() if isinstance(x, AsyncCollectiveTensor) else x
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+    if x.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group):
         # gloo before torch 2.2 cannot sum 16-bit floats ("Invalid scalar type"): sum in fp32, round once
         return _all_reduce(x.float(), group).to(x.dtype)
+    if _FUNCTIONAL:
+        from torch.distributed._functional_collectives import all_reduce
+
+        return _waited(all_reduce(x.contiguous(), "sum", group))
     x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still hold
     dist.all_reduce(x, group=group)
     return x
@@ -43,11 +81,17 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = tp_size(group)
     x = x.contiguous()
-    if dim == 0 and dist.get_backend(group) != "gloo":
+    if _FUNCTIONAL:
+        import torch.distributed._functional_collectives as fc
+
+        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor  # the newer name where torch has it
+        out = _waited(gather(x, 0, group))  # [n * s, ...]: the ranks' blocks in order along dim 0
+        return out if dim == 0 else torch.cat(out.chunk(n, dim=0), dim=dim)
+    if dim == 0 and not _is_gloo(group):
         out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=group)
         return out
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+    if x.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group):
         # gloo rejects 16-bit floats (and int16) in all_gather; moving their bytes is exact
         return _all_gather(x.view(torch.uint8), dim, group).view(x.dtype)
     parts = [torch.empty_like(x) for _ in range(n)]
@@ -59,12 +103,18 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = tp_size(group)
     if x.size(dim) % n:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
-    if dim == 0 and dist.get_backend(group) != "gloo":
+    if dim == 0 and _FUNCTIONAL and not (x.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group)):
+        import torch.distributed._functional_collectives as fc
+
+        reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor  # likewise
+        return _waited(reduce_scatter(x.contiguous(), "sum", 0, group))
+    if dim == 0 and not _is_gloo(group):
         x = x.contiguous()
         out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, x, group=group)
         return out
-    # gloo has no reduce-scatter: all-reduce then keep our chunk (CPU tests only).
+    # gloo without functional collectives has no reduce-scatter, and sums 16-bit in fp32 (see _all_reduce):
+    # all-reduce, then keep our chunk (CPU only).
     return _split(_all_reduce(x, group), dim, group)
 
 

@@ -173,6 +173,16 @@ class StopConditions:
         return None
 
 
+def _log_compile_time() -> None:
+    """Once, after the first step: what compiling the layers cost (nothing when they fell back to eager: the
+    warning said so)."""
+    from megatron_ds.model.compiled import compile_failure, first_call_seconds
+
+    if compile_failure() is None and first_call_seconds() is not None:
+        _log(f"mds train: torch.compile: {first_call_seconds():.1f} s (first call of the layer graph: tracing, "
+             "lowering forward and backward)")
+
+
 class Trainer:
     """One training run. `run()` returns the process exit code."""
 
@@ -210,7 +220,7 @@ class Trainer:
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
              f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
              f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
-             f"device {self.device.type}")
+             f"torch.compile {'on' if args.torch_compile else 'off'}, device {self.device.type}")
         _log(f"mds train: {self.config.num_layers} layers, hidden {self.config.hidden_size}, "
              f"{self.config.num_attention_heads} heads ({self.config.num_key_value_heads} kv), seq "
              f"{self.config.seq_length}, vocab {self.tokenizer.vocab_size} padded to {self.padded_vocab}, "
@@ -340,13 +350,16 @@ class Trainer:
         self.checkpointer.load(st)
         losses = LossSinceLastLog(self.device, self._skipped_steps())
         timer = IntervalTimer(self.device)
-        reason = None
+        reason, first_step = None, True
         try:
             with StopConditions.from_args(args) as stop:
                 timer.start()
                 while not stop.finished(st):
                     lr = self._lr()
                     losses.add(self.train_step(st.consumed_train_samples))
+                    if first_step and args.torch_compile:
+                        _log_compile_time()
+                    first_step = False
                     st.advance(args.global_batch_size)
                     self.progress.step(st.iteration)
                     if self.metrics.due(st.iteration) or stop.finished(st):

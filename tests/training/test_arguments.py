@@ -162,6 +162,41 @@ def test_torch_compile_needs_a_torch_that_compiles_the_layer(files):
               "not with --tensor-model-parallel-size 2 yet")
 
 
+def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(files, monkeypatch):
+    """No flag: eager on CPU (compile time dominates small runs and CI), compiled with a CUDA GPU; off with one
+    notice where the explicit flag is refused (TP > 1, Ulysses, Transformer Engine FP8); --no-torch-compile wins."""
+    from megatron_ds.torch_support import compile_problem
+    from megatron_ds.training.arguments import rules
+
+    def resolved(*extra, world=1):
+        args = parse_args(base(files, *extra), env={})
+        rules._torch_compile_default(args, rules._layout(args, world))
+        return args.torch_compile, [n for n in args.notices if "torch.compile" in n]
+
+    args = parse_args(base(files), env={})
+    assert args.torch_compile is None  # not given: validation decides
+    validate(args, 1)
+    assert args.torch_compile is False and not [n for n in args.notices if "compile" in n]  # this CPU machine
+    assert resolved("--tensor-model-parallel-size", "2", world=2) == (False, [])  # CPU: eager, nothing to say
+    monkeypatch.setattr(rules, "cuda_gpu_visible", lambda: True)  # what nvidia-smi-less detection says on a GPU node
+    if compile_problem():  # torch 2.1: never on, and the notice says why
+        assert resolved()[0] is False and "needs torch >= 2.5" in resolved()[1][0]
+        return
+    assert resolved() == (True, [])
+    assert resolved("--pipeline-model-parallel-size", "2", world=2) == (True, [])
+    assert resolved("--no-torch-compile") == (False, [])
+    on, notices = resolved("--tensor-model-parallel-size", "2", world=2)
+    assert not on and len(notices) == 1 and "--tensor-model-parallel-size 2" in notices[0], notices
+    on, notices = resolved("--ds-sequence-parallel-size", "2", world=2)
+    assert not on and len(notices) == 1 and "--ds-sequence-parallel-size 2" in notices[0], notices
+    te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
+    assert "Transformer Engine" in rules.compile_off_reason(te, rules._layout(te, 1))
+    msamp = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={})
+    assert "MS-AMP" in rules.compile_off_reason(msamp, rules._layout(msamp, 1))
+    check(files, ["--torch-compile", "--tensor-model-parallel-size", "2"], 2, "--torch-compile",
+          "not with --tensor-model-parallel-size 2 yet")  # the explicit flag is still refused
+
+
 def test_deepspeed_config_must_agree(files):
     def ds(config):
         path = files["dir"] / "ds.json"

@@ -157,10 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron's sharded optimizer state: ZeRO-1 here (a notice says so)")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="Megatron-DeepSpeed: use DeepSpeed's checkpointing for --checkpoint-activations")
-    g.add_argument("--torch-compile", action="store_true",
+    g.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile each transformer layer with torch.compile: norms, GeLU, dropout and residual "
-                        "adds fused (one compile at start-up, ~1 min; bench/RESULTS.md has the speed-up; not with "
-                        "tensor parallelism yet)")
+                        "adds fused (bench/RESULTS.md has the speed-up; the start-up log prints the compile time). "
+                        "Default: on with a CUDA GPU, off on CPU (there the compile time dominates small runs and "
+                        "CI) and on ROCm (untested); off, with a notice, where mds cannot compile yet (tensor "
+                        "parallelism, --ds-sequence-parallel-size, Transformer Engine FP8, MS-AMP), where the explicit "
+                        "flag is refused. A compile failure falls back to the eager layers with one warning. "
+                        "--no-torch-compile: eager")
 
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", default=None)

@@ -46,6 +46,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _checkpoints(args)
     _data_files(args)
     _tokenizer_inputs(args)
+    _torch_compile_default(args, dims)
     _environment(args)
     _hangs_and_restarts(args)
     args.world_size, args.data_parallel_size = world_size, dims.dp
@@ -419,6 +420,49 @@ def _hangs_and_restarts(args: argparse.Namespace) -> None:
     if args.max_restarts and args.save and not args.load:
         raise ConfigError("--max-restarts", "with --save but no --load a restart would begin again at iteration 0 "
                           "and overwrite the checkpoints: add --load (usually the same directory as --save)")
+
+
+def cuda_gpu_visible() -> bool:
+    """A CUDA build of torch and an NVIDIA GPU for this process, found without initialising CUDA (the launcher
+    validates before it spawns the ranks)."""
+    import torch
+
+    from megatron_ds.runtime.bootstrap import visible_gpus
+
+    return torch.version.cuda is not None and visible_gpus() > 0
+
+
+def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | None:
+    """Why mds does not compile the layers of this layout (the explicit --torch-compile is refused there), or None."""
+    from megatron_ds.precision.fp8 import engine_name, fp8_requested
+    from megatron_ds.torch_support import compile_problem
+
+    if compile_problem(dims.tp) is not None:
+        return compile_problem(dims.tp)
+    if dims.sp > 1:
+        return f"not with --ds-sequence-parallel-size {dims.sp} (untested inside a compiled layer)"
+    engine = engine_name(args) if fp8_requested(args) is not None else None
+    if engine == "te":
+        return "not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph)"
+    if engine == "msamp":
+        return "not with MS-AMP (its FP8 weights are ScalingTensor objects, not torch tensors)"
+    return None
+
+
+def _torch_compile_default(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """--torch-compile given or not: on by default with a CUDA GPU where mds compiles the layout (measured faster
+    there: bench/RESULTS.md); eager on CPU, where compiling costs more than it saves in small runs and CI. Runs
+    before the environment rules, so their compile notices see the decision."""
+    if args.torch_compile is not None:
+        return
+    args.torch_compile = False
+    if not cuda_gpu_visible():
+        return
+    why = compile_off_reason(args, dims)
+    if why is None:
+        args.torch_compile = True
+    else:
+        args.notices.append(f"note: torch.compile is off by default here: {why}")
 
 
 def pad_vocab_size(orig: int, divisible_by: int, tp: int) -> int:

@@ -1,0 +1,90 @@
+"""torch.compile for the transformer layers, with a way out: a compile failure runs them eager.
+
+Every layer's forward goes through one compiled graph (parameters are graph inputs), so a failure to compile it
+is a failure for all layers: ``CompiledForward`` then logs one WARNING naming the cause and every layer of this
+process runs its eager forward for the rest of the run (the same math: only the kernels differ). Compile errors
+are what dynamo raises for them (BackendCompilerFailed wraps inductor's: no C compiler, no working triton, a
+lowering error); an error of the computation itself (out of memory, a collective) is not caught.
+
+The backward graph is lowered together with the forward (inductor otherwise waits for the first backward), so
+its failure is caught here too, and the first call's wall time is the whole start-up cost of compiling:
+``first_call_seconds()``, which the training loop prints once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import torch
+
+_failure: str | None = None  # why compiling failed in this process (then everything runs eager)
+_first_call: float | None = None  # seconds of the first compiled call: tracing and lowering both graphs
+
+
+def compile_failure() -> str | None:
+    """Why the layers run eager after asking for torch.compile, or None."""
+    return _failure
+
+
+def first_call_seconds() -> float | None:
+    """Wall time of the first compiled layer call (the compile time, plus one layer's work), or None."""
+    return _first_call
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    from torch._dynamo.exc import TorchDynamoException
+
+    return (TorchDynamoException,)
+
+
+def _lower_backward_now():
+    """Lower the backward graph at the first forward (torch >= 2.8 has the switch; older ones lower it lazily)."""
+    from torch._functorch import config
+
+    if hasattr(config, "force_non_lazy_backward_lowering"):
+        return config.patch(force_non_lazy_backward_lowering=True)
+    return contextlib.nullcontext()
+
+
+def _fall_back(err: BaseException) -> None:
+    global _failure
+    first_line = (str(err).strip().splitlines() or [""])[0][:300]
+    _failure = f"{type(err).__name__}: {first_line}"
+    rank = ""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        rank = f" (rank {torch.distributed.get_rank()})"
+    print(f"mds: WARNING{rank}: torch.compile of the transformer layers failed ({_failure}); they run eager for "
+          "the rest of this run", file=sys.stderr, flush=True)
+
+
+class CompiledForward:
+    """``fn`` through torch.compile; ``fn`` itself once compiling has failed in this process."""
+
+    def __init__(self, fn):
+        self.eager = fn
+        self.compiled = None
+        if _failure is None:
+            try:
+                self.compiled = torch.compile(fn)
+            except Exception as err:  # noqa: BLE001 - e.g. a Python that this torch's dynamo does not support
+                _fall_back(err)
+
+    def __call__(self, *args):
+        global _first_call
+        if _failure is not None or self.compiled is None:
+            return self.eager(*args)
+        timed = _first_call is None
+        start = time.perf_counter()
+        try:
+            with _lower_backward_now():
+                out = self.compiled(*args)
+        except _compile_errors() as err:
+            _fall_back(err)
+            return self.eager(*args)
+        if timed:
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            _first_call = time.perf_counter() - start
+        return out

@@ -1,0 +1,83 @@
+"""`entrypoint train --torch-compile` as a user runs it (real processes, CPU, inductor's C++ backend).
+
+- the default on CPU is eager, and the start-up line says so;
+- a compiled run prints its compile time once and trains the eager model (rel 1e-4: fused kernels round
+  differently; dropout off);
+- a compile failure (a broken C++ compiler first on PATH: inductor's cpp backend needs g++) falls back to the
+  eager layers with one WARNING naming the cause, and trains exactly the eager losses.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_train_equivalence import GPT, run_train  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ITERS = 5  # run_train's length
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory, demo_corpus):
+    return run_train(tmp_path_factory, demo_corpus, "eager_default", GPT, [])
+
+
+def losses(run) -> list[float]:
+    return [r["lm_loss"] for r in run["train"]]
+
+
+def compiled_run(tmp_path_factory, demo_corpus, name, env_extra=None):
+    """A --torch-compile run with its own inductor cache (a cached kernel would not need the compiler)."""
+    saved = dict(os.environ)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp(f"{name}_inductor_cache"))
+    os.environ.update(env_extra or {})
+    try:
+        return run_train(tmp_path_factory, demo_corpus, name, GPT, ["--torch-compile"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_cpu_default_is_eager(eager):
+    assert "torch.compile off, device cpu" in eager["stdout"], eager["stdout"][-2000:]
+    assert "torch.compile:" not in eager["stdout"] and "WARNING" not in eager["stderr"]
+    assert "torch.compile is off" not in eager["stderr"]  # no notice: eager is simply the CPU default
+
+
+def test_compiled_run_prints_its_compile_time_and_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
+    from megatron_ds.torch_support import compile_problem
+
+    if compile_problem():  # torch 2.1 (make test-torch21): the flag is refused at validation (test_arguments)
+        assert "needs torch >= 2.5" in compile_problem()
+        return
+    run = compiled_run(tmp_path_factory, demo_corpus, "compiled")
+    assert "torch.compile on, device cpu" in run["stdout"]
+    lines = [line for line in run["stdout"].splitlines() if "mds train: torch.compile:" in line]
+    assert len(lines) == 1 and float(lines[0].split("torch.compile:")[1].split()[0]) > 0, run["stdout"][-2000:]
+    assert "WARNING" not in run["stderr"], run["stderr"][-3000:]
+    for a, b in zip(losses(run), losses(eager), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(tmp_path_factory, demo_corpus, eager, tmp_path):
+    from megatron_ds.torch_support import compile_problem
+
+    if compile_problem():  # torch 2.1: as above
+        assert "needs torch >= 2.5" in compile_problem()
+        return
+    bad = tmp_path / "bin"
+    bad.mkdir()
+    (bad / "g++").write_text("#!/bin/sh\necho 'g++: broken on purpose (mds test)' >&2\nexit 1\n")
+    (bad / "g++").chmod(0o755)
+    run = compiled_run(tmp_path_factory, demo_corpus, "compile_fails",
+                       {"PATH": f"{bad}:{os.environ['PATH']}"})  # DeepSpeed's own builds use c++, not g++
+    warnings = [line for line in run["stderr"].splitlines() if "WARNING" in line and "torch.compile" in line]
+    assert len(warnings) == 1, run["stderr"][-4000:]
+    assert "InvalidCxxCompiler" in warnings[0] and "run eager for the rest of this run" in warnings[0], warnings
+    assert "mds train: torch.compile:" not in run["stdout"]  # no compile time to report
+    assert losses(run) == losses(eager)  # the eager layers: bit-identical
