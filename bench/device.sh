@@ -191,7 +191,7 @@ stage_defaults() {  # issue 15, one GPU, one call: GPT-1.3B with the default fla
   t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_compile_ds_released -- $M --torch-compile
   ds_patches
   t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_compile_ds_patched -- $M --torch-compile
-  t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_eager_ds_patched -- $M
+  t 120 $B $S --name gpt1_3b_s2048_mbs16_z1_eager_ds_patched -- $M --no-torch-compile
   t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_ds_patched -- $M \
     --torch-compile --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
   t 120 $PYTHON bench/profile_train.py --no-profile --variant compile --out "$LOGS/defaults_phases_patched.txt" -- $M
@@ -250,13 +250,25 @@ stage_llamacheck() {  # the LLaMA-style 1.3B FP8 run trained lower than bf16 (5%
   local C="--preset GPT1_3B --bf16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 \
     --global-batch-size 8 --zero-stage 1 --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 \
     --log-interval 10 --seed 1234 --swiglu --normalization RMSNorm --position-embedding-type rope \
-    --disable-bias-linear --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504"
+    --disable-bias-linear --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504 \
+    --no-torch-compile"
   ds_patches
   t 200 $F --name llama_style_1_3b_eager_vs_compile_loss150 --fp8-flags=--torch-compile -- $C
   [ -n "${MDS_LLAMACHECK_FP8:-}" ] && t 260 $F --name llama_style_1_3b_eager_bf16_vs_fp8_loss150 -- $C
   t 200 $F --name gpt1_3b_eager_vs_compile_loss150 --fp8-flags=--torch-compile -- --preset GPT1_3B --bf16 \
     --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --zero-stage 1 \
-    --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 10 --seed 1234
+    --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 10 --seed 1234 \
+    --no-torch-compile
+}
+
+stage_compiledefault() {  # issue 15 on one GPU: the TP compile probe (fake process group; two gloo ranks on one
+  # GPU), the compile start-up cost of GPT-1.3B and GPT-13B layers, and GPT-1.3B with no precision-independent
+  # flags at all (compiled by default now), patched DeepSpeed
+  OUT="$OUT" t 280 $PYTHON bench/compile_tp_probe.py
+  OUT="$OUT" t 150 $PYTHON bench/compile_startup.py
+  ds_patches
+  t 150 $B --steps 20 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_default_flags -- $GPT13 --micro-batch-size 16 \
+    --zero-stage 1
 }
 
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)

@@ -7,7 +7,7 @@ Builds exactly what `entrypoint train` builds for those flags (parse_args/valida
 build_engine) in one process, times --steps steps with CUDA sync (median after 3 warm-up steps), then
 profiles two steps and writes the top kernels/ops table. A --variant changes one thing, to measure a fix
 before anyone writes it: "cudnn" (SDPA prefers the cuDNN attention kernel), "compile" (torch.compile of
-each transformer layer), "nodrop" (dropout off), "autocast" (fp32 weights, no DeepSpeed bf16 wrapper, the
+each transformer layer; without it the layers run eager, whatever the CUDA default), "nodrop" (dropout off), "autocast" (fp32 weights, no DeepSpeed bf16 wrapper, the
 step under torch.autocast(bf16): what nanoGPT-style training does), "igu" (DeepSpeed's bf16
 immediate_grad_update), or combinations joined by "+". Step time is reported twice: the median of
 steps synchronised one by one, and the mean over the same number of steps run back to back (one
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         train_args.hidden_dropout = train_args.attention_dropout = 0.0
     if "autocast" in variants:
         train_args.bf16 = False
+    train_args.torch_compile = "compile" in variants  # the variant decides, not the CUDA default
     validate(train_args, 1)
     if "igu" in variants:  # after validate, which reads --deepspeed_config into ds_config_file
         train_args.ds_config_file = {**(train_args.ds_config_file or {}), "bf16": {"immediate_grad_update": True}}
@@ -72,16 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     tok = build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB)
     vocab = pad_vocab_size(tok.vocab_size, train_args.make_vocab_size_divisible_by, 1)
     precision = precision_from_args(train_args)
-    if "compile" in variants:
-        from megatron_ds.model import gpt
-
-        original_init = gpt.TransformerLayer.__init__
-
-        def compiled_init(self, *a, **kw):
-            original_init(self, *a, **kw)
-            self._forward = torch.compile(self._forward)
-
-        gpt.TransformerLayer.__init__ = compiled_init
     built = build_engine(train_args, precision, state, vocab)
     engine = built.engine
     b, s = train_args.micro_batch_size, train_args.seq_length

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_sources import SourceTree, takes_any_keyword
-from fp8_sources import accepted_names as source_accepts
+from fp8_sources import SourceTree, accepted_names, takes_any_keyword
 
 from megatron_ds.precision.fp8_te import TE_API
 
@@ -65,22 +64,6 @@ def definitions(package: Path) -> dict[str, ast.AST]:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
                 found.setdefault(node.name, node)
     return found
-
-
-def accepted_names(node: ast.AST) -> set[str]:
-    """A function's parameters; a class's __init__ parameters, annotated fields (dataclass) and members (enum)."""
-    if isinstance(node, ast.FunctionDef):
-        a = node.args
-        return {arg.arg for arg in a.posonlyargs + a.args + a.kwonlyargs}
-    names = set()
-    for item in node.body:
-        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-            names |= accepted_names(item)
-        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-            names.add(item.target.id)
-        elif isinstance(item, ast.Assign):
-            names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
-    return names
 
 
 def exported(init: Path) -> set[str]:
@@ -139,7 +122,7 @@ def test_every_te_name_and_keyword_we_use_exists_in_the_msamp_images_te(msamp_te
             assert attribute in public, f"{module}.{attribute} is not exported by TE {ref}"
             node = msamp_te_source.find(f"{module}:{attribute}")
             assert node is not None, f"{module}.{attribute}: no definition found in TE {ref}"
-            missing = set(keywords) - source_accepts(node)
+            missing = set(keywords) - accepted_names(node)
             assert not missing or takes_any_keyword(node), f"{module}.{attribute} does not take {sorted(missing)} in TE {ref}"
 
 
