@@ -271,6 +271,16 @@ stage_compiledefault() {  # issue 15 on one GPU: the TP compile probe (fake proc
     --zero-stage 1
 }
 
+stage_ulysses() {  # issue 19 on 2 GPUs: GPT-1.3B with DeepSpeed-Ulysses 2 at 64k and 128k tokens (activation
+  # checkpointing, ZeRO-1), then longer until one does not fit; the one-GPU rows are stage_longseq's
+  local S="--steps 4 --warmup-steps 1" M="$GPT13 --micro-batch-size 1 --zero-stage 1 --checkpoint-activations"
+  ds_patches
+  for seq in 65536 131072 262144; do
+    t 240 $B $S --dp-hint 1 --name gpt1_3b_s${seq}_mbs1_z1_ckpt_sp2 -- $M --seq-length $seq \
+      --max-position-embeddings $seq --ds-sequence-parallel-size 2 --nproc-per-node 2 || break
+  done
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
