@@ -109,7 +109,10 @@ def test_doctor_in_the_image(docker, cpu_image):
     code, out = run(docker, IMAGE, "entrypoint", "doctor", "--json")
     report = json.loads(out[out.index("{"):])
     names = [p["name"] for p in report["patch_manifest"]["patches"]]
-    assert names == ["0001-no-start-up-jit-of-shm-comm.patch"]
+    series = (ROOT / "patches" / "deepspeed" / "series").read_text().splitlines()
+    assert names == [line.strip() for line in series if line.strip() and not line.startswith("#")]
+    assert names[:3] == ["0001-no-start-up-jit-of-shm-comm.patch", "0002-bf16-optimizer-norm-on-device.patch",
+                         "0003-zero-bf16-step-on-device.patch"]  # every one applied at build, in order
     stack = json.loads(run(docker, IMAGE, "cat", "/opt/mds/stack.json")[1])
     assert stack["found"]["DEEPSPEED_VERSION"] == "0.19.8" and "TORCH_VERSION" in stack["differs"]
 
