@@ -50,6 +50,11 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+def _gloo_16bit(x: torch.Tensor, group) -> bool:
+    """gloo with a 16-bit float: it cannot sum those before torch 2.2, nor gather them (see the callers)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group)
+
+
 def _waited(x: torch.Tensor) -> torch.Tensor:
     """The collective's result once it has arrived: eager returns a wrapper that would wait at its first use;
     under dynamo the functional collective has already put the wait into the graph."""
@@ -59,7 +64,7 @@ def _waited(x: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if x.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group):
+    if _gloo_16bit(x, group):
         # gloo before torch 2.2 cannot sum 16-bit floats ("Invalid scalar type"): sum in fp32, round once
         return _all_reduce(x.float(), group).to(x.dtype)
     if _FUNCTIONAL:
@@ -91,7 +96,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=group)
         return out
-    if x.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group):
+    if _gloo_16bit(x, group):
         # gloo rejects 16-bit floats (and int16) in all_gather; moving their bytes is exact
         return _all_gather(x.view(torch.uint8), dim, group).view(x.dtype)
     parts = [torch.empty_like(x) for _ in range(n)]
@@ -103,7 +108,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = tp_size(group)
     if x.size(dim) % n:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
-    if dim == 0 and _FUNCTIONAL and not (x.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group)):
+    if dim == 0 and _FUNCTIONAL and not _gloo_16bit(x, group):
         import torch.distributed._functional_collectives as fc
 
         reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor  # likewise
