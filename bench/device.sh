@@ -281,6 +281,37 @@ stage_ulysses() {  # issue 19 on 2 GPUs: GPT-1.3B with DeepSpeed-Ulysses 2 at 64
   done
 }
 
+stage_reshard13() {  # issue 17: GPT-1.3B (fp32, ZeRO-1) TP=2 -> TP=1 reshard on this host's CPUs (GPU hidden),
+  # pinned to the upper half of the cores so that a GPU stage can run beside it (`reshard13_bg`)
+  local cores=$(nproc) 
+  t 560 taskset -c $((cores / 2))-$((cores - 1)) $PYTHON bench/reshard_timing.py --name reshard_gpt1_3b_cpu \
+    --preset GPT1_3B --from-tp 2 --to-tp 1 --machine "the device host's CPUs: $((cores / 2)) of its $cores cores \
+(taskset), GPU hidden, $(free -g | awk '/Mem:/ {print $2}') GiB memory; a GPU benchmark ran on the other cores"
+}
+
+stage_optstep() {  # issues 14/15, one GPU: where the patched bf16 ZeRO-1 optimizer step goes (GPT-1.3B, GPT-2.7B
+  # at their benchmark batches); FP8 vs bf16 with dropout 0 (the reference has none) for both sizes
+  local P="$PYTHON bench/profile_train.py --no-profile --profile-optimizer-step --variant compile"
+  ds_patches
+  t 150 $P --out "$LOGS/optstep_gpt1_3b.txt" -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  t 180 $P --out "$LOGS/optstep_gpt2_7b.txt" -- --preset GPT2_7B --bf16 --micro-batch-size 8 --zero-stage 1
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 24 --warmup-steps 10" N="--hidden-dropout 0 --attention-dropout 0"
+  t 200 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_nodrop_fp8 -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
+    --torch-compile $N
+  t 240 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_nodrop_fp8 -- --preset GPT2_7B --bf16 --micro-batch-size 8 \
+    --zero-stage 1 --torch-compile $N
+  cp "$LOGS"/optstep_* "$OUT"/ 2>/dev/null
+}
+
+stage_session6a() {  # one call: the CPU reshard beside the GPU stage
+  ds_patches  # before either imports DeepSpeed
+  ( stage_reshard13 > "$LOGS/stage_reshard13.log" 2>&1 ) &
+  local bg=$!
+  stage_optstep
+  wait $bg
+  cat "$LOGS/stage_reshard13.log"
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
