@@ -85,7 +85,7 @@ def test_sigstopped_rank_is_named_stacks_dumped_and_the_job_stops_with_124(tmp_p
     _, stderr = finish(proc, timeout + 60)
     detected = time.monotonic() - start
     print(f"\nSIGSTOP -> job ended in {detected:.1f} s (--watchdog-timeout {timeout})")
-    assert proc.returncode == HANG_EXIT, stderr[-4000:]
+    assert proc.returncode == HANG_EXIT, f"exit code {proc.returncode}\n{stderr[:3000]}\n...\n{stderr[-5000:]}"
     assert detected <= timeout + 15, f"took {detected:.1f} s\n{stderr[-4000:]}"
     assert re.search(rf"stuck rank: 1: pid {stopped} did not answer the stack dump request; process state T: "
                      r"stopped .*it cannot dump its own stacks", stderr), stderr[-4000:]
