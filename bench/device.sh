@@ -290,26 +290,46 @@ stage_reshard13() {  # issue 17: GPT-1.3B (fp32, ZeRO-1) TP=2 -> TP=1 reshard on
 }
 
 stage_optstep() {  # issues 14/15, one GPU: where the patched bf16 ZeRO-1 optimizer step goes (GPT-1.3B, GPT-2.7B
-  # at their benchmark batches); FP8 vs bf16 with dropout 0 (the reference has none) for both sizes
+  # at their benchmark batches; Chrome traces gzipped straight to $OUT, tables in the logs)
   local P="$PYTHON bench/profile_train.py --no-profile --profile-optimizer-step --variant compile"
   ds_patches
   t 150 $P --out "$LOGS/optstep_gpt1_3b.txt" -- $GPT13 --micro-batch-size 16 --zero-stage 1
   t 180 $P --out "$LOGS/optstep_gpt2_7b.txt" -- --preset GPT2_7B --bf16 --micro-batch-size 8 --zero-stage 1
+  for f in "$LOGS"/optstep_*.step_trace.json; do gzip -c "$f" > "$OUT/$(basename "$f").gz" && rm -f "$f"; done
+}
+
+stage_fp8nodrop() {  # issue 14: FP8 vs bf16 with dropout 0 (the reference has none), GPT-1.3B and GPT-2.7B
   local F="$PYTHON bench/fp8_compare.py" S="--steps 24 --warmup-steps 10" N="--hidden-dropout 0 --attention-dropout 0"
+  ds_patches
   t 200 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_nodrop_fp8 -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
     --torch-compile $N
   t 240 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_nodrop_fp8 -- --preset GPT2_7B --bf16 --micro-batch-size 8 \
     --zero-stage 1 --torch-compile $N
-  cp "$LOGS"/optstep_* "$OUT"/ 2>/dev/null
 }
 
-stage_session6a() {  # one call: the CPU reshard beside the GPU stage
+stage_defaults2() {  # issue 15, one call: GPT-1.3B default flags (compiled by default), the compiled plain-PyTorch
+  # reference, and global batch 128 without dropout, with the current patches/deepspeed
+  ds_patches
+  if [ -f .whl/reference_gpt.py ]; then
+    OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_defaults2.json" 2>/dev/null
+  fi
+  t 150 $B --steps 20 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_default_flags_foreach_norm -- $GPT13 \
+    --micro-batch-size 16 --zero-stage 1
+  t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_foreach_norm -- $GPT13 \
+    --micro-batch-size 16 --zero-stage 1 --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
+}
+
+stage_session6() {  # one call: the CPU reshard beside the GPU stages
   ds_patches  # before either imports DeepSpeed
   ( stage_reshard13 > "$LOGS/stage_reshard13.log" 2>&1 ) &
   local bg=$!
   stage_optstep
+  stage_defaults2
   wait $bg
   cat "$LOGS/stage_reshard13.log"
+  $PYTHON -c "import json; d = json.load(open('bench/results/reshard_gpt1_3b_cpu.json')); \
+    [print(k, d[k].get('exit_code'), d[k]['log_tail'][-1500:]) for k in ('source', 'reshard', 'resume') if k in d]"
 }
 
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)

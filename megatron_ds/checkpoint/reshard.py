@@ -147,6 +147,23 @@ def _resize_vocab(tensor: torch.Tensor, entry: dict, rows: int, real_vocab: int 
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
 
+def needed_bytes(directory: str) -> int:
+    """Disk the reshard needs beside --to: its staging files (at most what the source holds) and the new
+    checkpoint (about the source's size)."""
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
+    return 2 * size
+
+
+def room_problem(need: int, free: int, where: str) -> str | None:
+    """The message when the filesystem of --to cannot hold the reshard: said before the work, not after a
+    disk-full error hours into it."""
+    if free >= need:
+        return None
+    return (f"{where} has {free / 1e9:.1f} GB free; the reshard needs about {need / 1e9:.1f} GB there (staging "
+            f"files and the new checkpoint, each about the source checkpoint's size): free space or choose --to "
+            f"on another filesystem")
+
+
 def merge(staging: str, source_splits: dict, source_padded: int, target_padded: int,
           real_vocab: int | None) -> dict:
     """One full (TP=1, PP=1) entry {param, exp_avg, exp_avg_sq} per parameter from the gathered pieces."""
@@ -217,6 +234,9 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
     created = not os.path.exists(to)
     parent = os.path.dirname(to)
     os.makedirs(parent, exist_ok=True)
+    problem = room_problem(needed_bytes(directory), shutil.disk_usage(parent).free, parent)
+    if problem:
+        raise CheckpointError(problem)
     staging = tempfile.mkdtemp(prefix=".reshard-", dir=parent)
     started = time.time()
     try:
@@ -226,6 +246,8 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
                   src_layout["world_size"], staging, timeout)
         gathered = time.time()
         merged = merge(staging, metadata["splits"], source_padded, target_padded, real_vocab)
+        for path in glob.glob(os.path.join(staging, "gathered-rank*.pt")):  # merged holds it all now: free the disk
+            os.remove(path)
         merged["splits"] = metadata["splits"]
         merged["train_state"] = meta.saved_train_state(metadata, _train_state_fields(), directory)
         merged_path = os.path.join(staging, "merged.pt")

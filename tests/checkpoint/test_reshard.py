@@ -29,6 +29,8 @@ import ckpt_helpers as helpers
 from ckpt_helpers import ENTRYPOINT, GPT, run
 from ckpt_helpers import metrics
 
+from megatron_ds.checkpoint.reshard import needed_bytes, room_problem
+
 pytestmark = pytest.mark.slow
 
 REL = 1e-5
@@ -220,3 +222,12 @@ def test_bad_input_exits_2_naming_it_and_writes_nothing(first_half, tmp_path):
     for name in "abcde":
         assert not (tmp_path / name / "ckpt").exists()
         assert not list((tmp_path / name).glob(".reshard-*"))
+
+
+def test_a_filesystem_too_small_for_the_reshard_is_named_before_any_work(first_half, tmp_path):
+    ckpt = first_half("tp2") / "ckpt" / "iter_0000005"
+    source = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    assert needed_bytes(str(ckpt)) == 2 * source  # staging and the new checkpoint, each about the source's size
+    assert room_problem(2 * source, 2 * source, "/scratch") is None
+    message = room_problem(42_000_000_000, 20_000_000_000, "/scratch")
+    assert message.startswith("/scratch has 20.0 GB free; the reshard needs about 42.0 GB there")
