@@ -320,6 +320,13 @@ stage_defaults2() {  # issue 15, one call: GPT-1.3B default flags (compiled by d
     --micro-batch-size 16 --zero-stage 1 --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
 }
 
+stage_session6b() {  # one call, nothing beside it: the defaults (issue 15), then GPT-2.7B FP8 vs bf16 without dropout
+  stage_defaults2
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 24 --warmup-steps 10"
+  t 240 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_nodrop_fp8 -- --preset GPT2_7B --bf16 --micro-batch-size 8 \
+    --zero-stage 1 --torch-compile --hidden-dropout 0 --attention-dropout 0
+}
+
 stage_session6() {  # one call: the CPU reshard beside the GPU stages
   ds_patches  # before either imports DeepSpeed
   ( stage_reshard13 > "$LOGS/stage_reshard13.log" 2>&1 ) &
