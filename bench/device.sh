@@ -261,6 +261,17 @@ stage_llamacheck() {  # the LLaMA-style 1.3B FP8 run trained lower than bf16 (5%
     --no-torch-compile
 }
 
+stage_llamaseed() {  # issue 14: the LLaMA-style 300-step FP8/bf16 pair again with another seed, every step logged
+  # (iteration 1 shows whether both start from the same weights), to tell a systematic offset from this seed's
+  local F="$PYTHON bench/fp8_compare.py --loss --steps 300 --warmup-steps 10 --demo-corpus"
+  ds_patches
+  t 400 $F --name llama_style_1_3b_s1024_fp8_loss300_seed4321 -- --preset GPT1_3B --bf16 --seq-length 1024 \
+    --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --zero-stage 1 --torch-compile \
+    --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 1 --seed 4321 --swiglu \
+    --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
+    --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504
+}
+
 stage_compiledefault() {  # issue 15 on one GPU: the TP compile probe (fake process group; two gloo ranks on one
   # GPU), the compile start-up cost of GPT-1.3B and GPT-13B layers, and GPT-1.3B with no precision-independent
   # flags at all (compiled by default now), patched DeepSpeed
