@@ -170,7 +170,7 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
 
     def resolved(*extra, world=1):
         args = parse_args(base(files, *extra), env={})
-        rules._torch_compile_default(args, rules._layout(args, world))
+        rules._torch_compile(args, rules._layout(args, world))
         return args.torch_compile, [n for n in args.notices if "torch.compile" in n]
 
     args = parse_args(base(files), env={})
@@ -195,6 +195,10 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert "MS-AMP" in rules.compile_off_reason(msamp, rules._layout(msamp, 1))
     check(files, ["--torch-compile", "--tensor-model-parallel-size", "2"], 2, "--torch-compile",
           "not with --tensor-model-parallel-size 2 yet")  # the explicit flag is still refused
+    # the explicit flag is refused with the words the default's notice uses (compile_off_reason, one list)
+    check(files, ["--torch-compile", "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"], 1, "--torch-compile",
+          "not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine torchao "
+          "compiles); drop --torch-compile")
 
 
 def test_deepspeed_config_must_agree(files):
@@ -281,4 +285,4 @@ def test_ulysses_rules_name_the_flag(files):
     check(files, ["--ds-sequence-parallel-size", "2", "--num-attention-heads", "8", "--num-key-value-heads", "1"], 2,
           "--ds-sequence-parallel-size", "--num-key-value-heads 1 is not divisible by --ds-sequence-parallel-size 2")
     check(files, ["--ds-sequence-parallel-size", "2", "--torch-compile"], 2, "--torch-compile",
-          "not supported with --ds-sequence-parallel-size 2")
+          "not with --ds-sequence-parallel-size 2 (DeepSpeed's all-to-all inside a compiled layer")

@@ -46,7 +46,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _checkpoints(args)
     _data_files(args)
     _tokenizer_inputs(args)
-    _torch_compile_default(args, dims)
+    _torch_compile(args, dims)
     _environment(args)
     _hangs_and_restarts(args)
     args.world_size, args.data_parallel_size = world_size, dims.dp
@@ -153,9 +153,6 @@ def check_ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 is not combined with "
                           f"zero_optimization.zero_quantized_gradients ({args.deepspeed_config}): its all-to-all "
                           "reduction spans the whole world, not the data x sequence parallel group")
-    if args.torch_compile:
-        raise ConfigError("--torch-compile", f"not supported with --ds-sequence-parallel-size {sp} (DeepSpeed's "
-                          "all-to-all inside a compiled layer is untested in mds)")
     if (why := ulysses_unavailable()) is not None:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp}: DeepSpeed-Ulysses cannot run here: {why}")
 
@@ -433,26 +430,35 @@ def cuda_gpu_visible() -> bool:
 
 
 def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | None:
-    """Why mds does not compile the layers of this layout (the explicit --torch-compile is refused there), or None."""
+    """Why mds does not compile the layers of this layout, or None: the one list behind both the default
+    (eager there, with one notice) and the refusal of an explicit --torch-compile (same words)."""
     from megatron_ds.precision.fp8 import engine_name, fp8_requested
     from megatron_ds.torch_support import compile_problem
 
     if compile_problem(dims.tp) is not None:
         return compile_problem(dims.tp)
     if dims.sp > 1:
-        return f"not with --ds-sequence-parallel-size {dims.sp} (untested inside a compiled layer)"
+        return (f"not with --ds-sequence-parallel-size {dims.sp} (DeepSpeed's all-to-all inside a compiled layer is "
+                "untested in mds)")
     engine = engine_name(args) if fp8_requested(args) is not None else None
     if engine == "te":
-        return "not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph)"
+        return ("not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine "
+                "torchao compiles)")
     if engine == "msamp":
         return "not with MS-AMP (its FP8 weights are ScalingTensor objects, not torch tensors)"
     return None
 
 
-def _torch_compile_default(args: argparse.Namespace, dims: ParallelDims) -> None:
-    """--torch-compile given or not: on by default with a CUDA GPU where mds compiles the layout (measured faster
-    there: bench/RESULTS.md); eager on CPU, where compiling costs more than it saves in small runs and CI. Runs
-    before the environment rules, so their compile notices see the decision."""
+def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """--torch-compile given: refused where mds does not compile (compile_off_reason). Not given: on by default
+    with a CUDA GPU where mds compiles (measured faster there: bench/RESULTS.md); eager on CPU, where compiling
+    costs more than it saves in small runs and CI. Runs before the environment rules, so their compile notices
+    see the decision."""
+    if args.torch_compile:
+        why = compile_off_reason(args, dims)
+        if why is not None:
+            raise ConfigError("--torch-compile", f"{why}; drop --torch-compile")
+        return
     if args.torch_compile is not None:
         return
     args.torch_compile = False

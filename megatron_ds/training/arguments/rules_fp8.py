@@ -89,9 +89,6 @@ def msamp_layout(args: argparse.Namespace, dims: ParallelDims) -> None:
     if dims.sp > 1:
         raise ConfigError("--ds-sequence-parallel-size", "is not supported with MS-AMP in mds (MS-AMP reduces its FP8 "
                           "weight gradients over the data-parallel group, not DeepSpeed's DP x SP group)")
-    if args.torch_compile:
-        raise ConfigError("--torch-compile", "is not supported with MS-AMP in mds (its FP8 weights are ScalingTensor "
-                          "objects, not torch tensors); drop --torch-compile")
     ds_file, path = args.ds_config_file or {}, args.deepspeed_config
     if "msamp" in ds_file:
         raise ConfigError("--deepspeed_config", f"{path} has an msamp section; mds sets MS-AMP up from {flag} and "
@@ -148,9 +145,6 @@ def fp8_environment(args: argparse.Namespace) -> None:
     why = engine.missing()
     if why is not None:
         raise ConfigError(flag, f"FP8 engine {name}: {why}")
-    if name == "te" and args.torch_compile:
-        raise ConfigError("--torch-compile", "is not supported with Transformer Engine FP8 in mds (its fp8_autocast "
-                          "breaks the compiled layer graph); drop --torch-compile or use --fp8-engine torchao")
     notice = gemm_capability(engine, flag, device_capability())
     if notice is not None:
         args.notices.append(notice)
