@@ -272,6 +272,20 @@ stage_llamaseed() {  # issue 14: the LLaMA-style 300-step FP8/bf16 pair again wi
     --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504
 }
 
+stage_fp8c() {  # issue 14, one call: GPT-1.3B FP8 vs bf16 without dropout (fused-norm optimizer step), the
+  # reference's bf16 and float8 pair, and the kernels of our FP8 step (where the FP8 step's time goes)
+  local N="--hidden-dropout 0 --attention-dropout 0"
+  ds_patches
+  t 220 $PYTHON bench/fp8_compare.py --steps 24 --warmup-steps 10 --name gpt1_3b_s2048_mbs16_z1_compile_nodrop_fp8_v2 \
+    -- $GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile $N
+  if [ -f .whl/reference_gpt.py ]; then
+    OUT="$LOGS" t 240 $PYTHON .whl/reference_gpt.py --which compile,compile_fp8 --mbs 16 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$LOGS/reference_gpt_fp8c.json" 2>/dev/null
+  fi
+  t 150 $PYTHON bench/profile_train.py --variant compile+nodrop --out "$LOGS/fp8c_profile_gpt1_3b.txt" -- $GPT13 \
+    --micro-batch-size 16 --zero-stage 1 --fp8-format hybrid --fp8-engine torchao
+}
+
 stage_compiledefault() {  # issue 15 on one GPU: the TP compile probe (fake process group; two gloo ranks on one
   # GPU), the compile start-up cost of GPT-1.3B and GPT-13B layers, and GPT-1.3B with no precision-independent
   # flags at all (compiled by default now), patched DeepSpeed
