@@ -104,6 +104,7 @@ def reference(tmp_path_factory, demo_corpus):
     ("zero2_dp2", ["--zero-stage", "2"]),
     ("zero3_dp2", ["--zero-stage", "3"]),
     ("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--torch-compile"]),
+    ("zero3_dp2_eager", ["--zero-stage", "3", "--no-torch-compile"]),
     ("zero3_dp2_compile", ["--zero-stage", "3", "--torch-compile"]),
 ])
 def test_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference, name, extra):
