@@ -7,7 +7,8 @@ import os
 
 import torch
 
-ALLOW_TP_COMPILE = "MDS_ALLOW_TP_COMPILE"  # test switch: =1 lifts the TP > 1 refusal below (GPU tests, the probe)
+TP_COLLECTIVES = "MDS_TP_COLLECTIVES"  # parallel/mappings.py: "inplace" forces the c10d calls compile mis-routes
+ALLOW_TP_COMPILE = "MDS_ALLOW_TP_COMPILE"  # =1: compile TP layers even then (bench/compile_tp_probe.py shows the bug)
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,16 +25,14 @@ def compile_problem(tp: int = 1) -> str | None:
 
     One compiled graph shared by every layer needs dynamo's inlining of nn modules (default from torch
     2.5); torch 2.1's inductor fails on the layer outright. Tested: 2.11 (CUDA) and 2.13 (CPU).
-    Layers with tensor-parallel collectives compiled on CUDA trained off the TP=1 loss curve (tests/gpu:
-    tp2_compile and tp2_sp_compile 9.4e-2 off on 2 x H200, torch 2.11, with the in-place c10d collectives
-    that parallel/mappings.py no longer uses: pytorch#180642, a torch 2.11 regression reproduced on CPU);
-    refused until a 2-GPU run of those tests passes.
-    MDS_ALLOW_TP_COMPILE=1 lifts that refusal, for those tests and bench/compile_tp_probe.py only.
+    Tensor-parallel layers compile with torch's functional collectives (parallel/mappings.py): with the
+    in-place c10d ones, torch 2.11 routes the gradients of our autograd Functions wrongly (pytorch#180642;
+    TP=2 trained 9.4e-2 off eager on 2 x H200), so forcing those (MDS_TP_COLLECTIVES=inplace) refuses TP > 1.
+    tests/gpu test_tp_compile_matches_eager: TP=2 and TP=2+SP compiled within 1.7e-3 of eager on 2 x H200.
     """
     if _torch_problem() is not None:
         return _torch_problem()
-    if tp > 1 and os.environ.get(ALLOW_TP_COMPILE) != "1":
-        return (f"not with --tensor-model-parallel-size {tp} yet: compiled tensor-parallel layers trained off the "
-                "TP=1 loss curve on 2 x H200 with torch 2.11 (pytorch#180642; mds now avoids it, pending a 2-GPU "
-                "test); it works with data, pipeline and ZeRO parallelism")
+    if tp > 1 and os.environ.get(TP_COLLECTIVES) == "inplace" and os.environ.get(ALLOW_TP_COMPILE) != "1":
+        return (f"not with --tensor-model-parallel-size {tp} and {TP_COLLECTIVES}=inplace: torch mis-routes the "
+                "gradients of in-place collectives inside compiled autograd Functions (pytorch#180642)")
     return None

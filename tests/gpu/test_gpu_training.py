@@ -105,7 +105,7 @@ def reference(tmp_path_factory, demo_corpus):
     ("zero3_dp2", ["--zero-stage", "3"]),
     ("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--torch-compile"]),
     ("zero3_dp2_eager", ["--zero-stage", "3", "--no-torch-compile"]),
-    ("zero3_dp2_compile", ["--zero-stage", "3", "--torch-compile"]),
+    # ZeRO-3 compiled trained off this curve (session 6: first-step norm 2.19 vs 3.50): refused (compile_off_reason)
 ])
 def test_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference, name, extra):
     run = run_train(tmp_path_factory, demo_corpus, name, ["--bf16", *extra], nproc=2)
@@ -120,16 +120,15 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 @pytest.mark.parametrize("dropout", [False, True], ids=["nodrop", "dropout"])
 @pytest.mark.parametrize("name, extra", [("tp2_compile", TP2), ("tp2_sp_compile", [*TP2, "--sequence-parallel"])])
 def test_tp_compile_matches_eager(tmp_path_factory, demo_corpus, name, extra, dropout):
-    """--torch-compile with TP=2 (and +SP) against the same layout eager (validation refuses it until this
-    passes; MDS_ALLOW_TP_COMPILE=1 lifts the refusal for this test). Found failing on 2 x H200, torch 2.11, with
-    the in-place c10d collectives: first-step gradient norm 1.98 compiled vs 6.38 eager, losses 9.4e-2 off.
+    """--torch-compile with TP=2 (and +SP) against the same layout eager. Found failing on 2 x H200, torch 2.11,
+    with the in-place c10d collectives: first-step gradient norm 1.98 compiled vs 6.38 eager, losses 9.4e-2 off;
+    passes with the functional ones (session 6: within 1.7e-3 of eager, first-step norm within 0.6%).
     Dropout off: the same tolerance as every layout. Dropout on: compiled dropout draws other masks, so the
     losses get 2x the tolerance and the first-step gradient norm 5% (the bug was 3x)."""
     suffix = "_dropout" if dropout else ""
     flags = ["--bf16", *extra, *(DROPOUT if dropout else [])]
     eager = run_train(tmp_path_factory, demo_corpus, f"{name}_eager{suffix}", flags, nproc=2)
-    run = run_train(tmp_path_factory, demo_corpus, f"{name}{suffix}", [*flags, "--torch-compile"], nproc=2,
-                    env_extra={"MDS_ALLOW_TP_COMPILE": "1"})
+    run = run_train(tmp_path_factory, demo_corpus, f"{name}{suffix}", [*flags, "--torch-compile"], nproc=2)
     assert "torch.compile on" in REPORT[f"{name}{suffix}"]["stdout_head"]
     got, want = run[0]["grad_norm"], eager[0]["grad_norm"]
     REPORT[f"{name}{suffix}"]["first_grad_norm_vs_eager"] = [got, want]

@@ -5,7 +5,7 @@ torch's functional ones, inside the compiled graph). With the c10d calls that wr
 (MDS_TP_COLLECTIVES=inplace, what ran before) this passes on torch 2.13 but not on torch 2.11, whose dynamo
 differentiates them wrongly (pytorch#180642; bench/compile_tp_probe.py --cpu shows it on a 2.11 install).
 Dropout off: compiled dropout draws other masks. Tolerance: rel 1e-4 of each tensor's largest value (fused
-kernels round differently; fp32). MDS_ALLOW_TP_COMPILE=1 lifts validation's TP > 1 refusal for these ranks.
+kernels round differently; fp32).
 On CUDA the same comparison is tests/gpu (tp2_compile*) and bench/compile_tp_probe.py.
 """
 
@@ -58,7 +58,6 @@ def test_compiled_tp2_equals_eager_tp2(monkeypatch):
     if compile_problem() is not None:  # torch 2.1: --torch-compile is refused outright (test_arguments)
         assert "needs torch >= 2.5" in compile_problem()
         return
-    monkeypatch.setenv("MDS_ALLOW_TP_COMPILE", "1")  # the spawned ranks inherit it
     monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
     results = run_on_ranks(compiled_worker, 2, CASE_NAMES, tp=2, timeout=900)
     for r, result in enumerate(results):

@@ -158,13 +158,15 @@ def test_torch_compile_needs_a_torch_that_compiles_the_layer(files):
         validate(args, 1)
         assert args.torch_compile
         validate(parse_args(base(files, "--torch-compile", "--pipeline-model-parallel-size", "2"), env={}), 2)
-        check(files, ["--torch-compile", "--tensor-model-parallel-size", "2"], 2, "--torch-compile",
-              "not with --tensor-model-parallel-size 2 yet")
+        validate(parse_args(base(files, "--torch-compile", "--tensor-model-parallel-size", "2"), env={}), 2)
+        check(files, ["--torch-compile", "--zero-stage", "3"], 1, "--torch-compile",
+              "not with --zero-stage 3 yet (compiled layers under ZeRO-3's parameter partitioning trained off")
 
 
 def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(files, monkeypatch):
-    """No flag: eager on CPU (compile time dominates small runs and CI), compiled with a CUDA GPU; off with one
-    notice where the explicit flag is refused (TP > 1, Ulysses, Transformer Engine FP8); --no-torch-compile wins."""
+    """No flag: eager on CPU (compile time dominates small runs and CI), compiled with a CUDA GPU (TP > 1 too);
+    off with one notice where the explicit flag is refused (ZeRO-3, Ulysses, Transformer Engine FP8, MS-AMP);
+    --no-torch-compile wins."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
 
@@ -185,16 +187,15 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert resolved() == (True, [])
     assert resolved("--pipeline-model-parallel-size", "2", world=2) == (True, [])
     assert resolved("--no-torch-compile") == (False, [])
-    on, notices = resolved("--tensor-model-parallel-size", "2", world=2)
-    assert not on and len(notices) == 1 and "--tensor-model-parallel-size 2" in notices[0], notices
+    assert resolved("--tensor-model-parallel-size", "2", world=2) == (True, [])  # functional TP collectives
+    on, notices = resolved("--zero-stage", "3")
+    assert not on and len(notices) == 1 and "--zero-stage 3" in notices[0], notices
     on, notices = resolved("--ds-sequence-parallel-size", "2", world=2)
     assert not on and len(notices) == 1 and "--ds-sequence-parallel-size 2" in notices[0], notices
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
     assert "Transformer Engine" in rules.compile_off_reason(te, rules._layout(te, 1))
     msamp = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={})
     assert "MS-AMP" in rules.compile_off_reason(msamp, rules._layout(msamp, 1))
-    check(files, ["--torch-compile", "--tensor-model-parallel-size", "2"], 2, "--torch-compile",
-          "not with --tensor-model-parallel-size 2 yet")  # the explicit flag is still refused
     # the explicit flag is refused with the words the default's notice uses (compile_off_reason, one list)
     check(files, ["--torch-compile", "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"], 1, "--torch-compile",
           "not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine torchao "
