@@ -143,7 +143,9 @@ def ulysses_groups_worker(sp: int) -> dict:
 
 
 def test_ulysses_groups_on_four_ranks_dp2_sp2():
-    ranks = run_on_ranks(ulysses_groups_worker, 4, 2)
+    # 600 s: each rank's first DeepSpeed init on the CPU JIT-builds its shm comm op (unpatched DeepSpeed in the
+    # test venvs); four ranks doing it at once on CI's 2 cores once took over the default 180 s
+    ranks = run_on_ranks(ulysses_groups_worker, 4, 2, timeout=600)
     assert [r["sp"] for r in ranks] == [(2, 0, 2, 0), (2, 1, 2, 0), (2, 0, 2, 1), (2, 1, 2, 1)]
     # sp groups {0,1} {2,3}: sums 3 and 7; dp groups {0,2} {1,3}: 4 and 6; sp_dp: all four, 10
     assert [r["sums"] for r in ranks] == [{"sp": 3.0, "dp": 4.0, "sp_dp": 10.0}, {"sp": 3.0, "dp": 6.0, "sp_dp": 10.0},
