@@ -27,11 +27,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_ds.torch_support import compile_problem
+from megatron_ds.torch_support import TP_COLLECTIVES, compile_problem
 
-_FORCED = os.environ.get("MDS_TP_COLLECTIVES", "")  # "", "functional" or "inplace": read once, at import
+_FORCED = os.environ.get(TP_COLLECTIVES, "")  # "", "functional" or "inplace": read once, at import
 if _FORCED not in ("", "functional", "inplace"):
-    raise ValueError(f"MDS_TP_COLLECTIVES must be functional or inplace, got {_FORCED!r}")
+    raise ValueError(f"{TP_COLLECTIVES} must be functional or inplace, got {_FORCED!r}")
 # where torch compiles the layer (>= 2.5); torch 2.1 keeps the c10d calls, which nothing traces there
 _FUNCTIONAL = _FORCED == "functional" if _FORCED else compile_problem() is None
 

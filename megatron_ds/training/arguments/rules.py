@@ -435,8 +435,8 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
     from megatron_ds.precision.fp8 import engine_name, fp8_requested
     from megatron_ds.torch_support import compile_problem
 
-    if compile_problem(dims.tp) is not None:
-        return compile_problem(dims.tp)
+    if (why := compile_problem(dims.tp)) is not None:
+        return why
     if dims.sp > 1:
         return (f"not with --ds-sequence-parallel-size {dims.sp} (DeepSpeed's all-to-all inside a compiled layer is "
                 "untested in mds)")
