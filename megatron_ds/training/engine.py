@@ -186,6 +186,8 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     if own_lr:
         lr_scheduler = (ScheduledLR(optimizer, schedule, apply_now=False) if optimizer is not None
                         else (lambda opt: ScheduledLR(opt, schedule)))
+    if args.zero_stage == 3:
+        gather_whole_layers(module)
     scale = backward_scale(args.zero_stage, state.sp_size)
     if scale != 1.0:
         partition_over_sequence_data_parallel(module, state, ds_config)
@@ -207,6 +209,17 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
             for group in optimizer.param_groups:
                 group["lr"] = args.lr
     return Built(engine, pipelined, config, _resolved_backend(module), scale)
+
+
+def gather_whole_layers(module: torch.nn.Module) -> None:
+    """ZeRO-3 gathers each transformer layer's parameters once at the layer (a DeepSpeed "leaf module"), not at
+    each of its norms and linears: the layer body then holds none of ZeRO-3's hooks, so a compiled layer is plain
+    math. With the per-submodule hooks inside it, dynamo traced ZeRO-3's pre-backward autograd Function into the
+    layer graph and every norm, QKV and FC1 gradient came out zero on CUDA (bench/zero3_compile_probe.py)."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    if any(isinstance(m, TransformerLayer) for m in module.modules()):
+        set_z3_leaf_modules(module, [TransformerLayer])
 
 
 def unpatched_step_notice(engine) -> str | None:

@@ -159,13 +159,12 @@ def test_torch_compile_needs_a_torch_that_compiles_the_layer(files):
         assert args.torch_compile
         validate(parse_args(base(files, "--torch-compile", "--pipeline-model-parallel-size", "2"), env={}), 2)
         validate(parse_args(base(files, "--torch-compile", "--tensor-model-parallel-size", "2"), env={}), 2)
-        check(files, ["--torch-compile", "--zero-stage", "3"], 1, "--torch-compile",
-              "not with --zero-stage 3 yet (compiled layers under ZeRO-3's parameter partitioning trained off")
+        validate(parse_args(base(files, "--torch-compile", "--zero-stage", "3"), env={}), 1)  # whole-layer gathers
 
 
 def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(files, monkeypatch):
     """No flag: eager on CPU (compile time dominates small runs and CI), compiled with a CUDA GPU (TP > 1 too);
-    off with one notice where the explicit flag is refused (ZeRO-3, Ulysses, Transformer Engine FP8, MS-AMP);
+    off with one notice where the explicit flag is refused (Ulysses, Transformer Engine FP8, MS-AMP);
     --no-torch-compile wins."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
@@ -188,8 +187,7 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert resolved("--pipeline-model-parallel-size", "2", world=2) == (True, [])
     assert resolved("--no-torch-compile") == (False, [])
     assert resolved("--tensor-model-parallel-size", "2", world=2) == (True, [])  # functional TP collectives
-    on, notices = resolved("--zero-stage", "3")
-    assert not on and len(notices) == 1 and "--zero-stage 3" in notices[0], notices
+    assert resolved("--zero-stage", "3") == (True, [])  # ZeRO-3 gathers whole layers (training/engine.py)
     on, notices = resolved("--ds-sequence-parallel-size", "2", world=2)
     assert not on and len(notices) == 1 and "--ds-sequence-parallel-size 2" in notices[0], notices
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})

@@ -440,9 +440,6 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
     if dims.sp > 1:
         return (f"not with --ds-sequence-parallel-size {dims.sp} (DeepSpeed's all-to-all inside a compiled layer is "
                 "untested in mds)")
-    if args.zero_stage == 3:
-        return ("not with --zero-stage 3 yet (compiled layers under ZeRO-3's parameter partitioning trained off "
-                "the eager curve on 2 x H200: first-step gradient norm 2.19 vs 3.50, losses 2.4e-2 off)")
     engine = engine_name(args) if fp8_requested(args) is not None else None
     if engine == "te":
         return ("not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine "
