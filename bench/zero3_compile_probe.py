@@ -1,10 +1,12 @@
 """ZeRO-3 with compiled layers trains off the eager curve on CUDA (session 6: first-step gradient norm 2.53 vs
-4.11 on one H200): which gradients go missing? One forward/backward of the same batch at ZeRO-3, eager and
-with the layers compiled (each in its own process), and every parameter's gradient norm side by side
-(DeepSpeed's safe_get_full_grad, read before any step). Validation refuses --torch-compile with ZeRO-3; this
+4.11 on one H200): which gradients go missing, and where? One forward/backward of the same batch at ZeRO-3, eager
+and compiled variants (each in its own process), and every parameter's gradient norm side by side (DeepSpeed's
+safe_get_full_grad, read before any step). Variants bisect the cause: the compile backend (inductor, aot_eager:
+AOTAutograd without inductor, eager: dynamo alone), ZeRO-3 with every parameter persistent (never released
+between forward and backward), every linear's GEMM left out of the compiled graphs, and the CPU (gloo). Validation may refuse --torch-compile with ZeRO-3; this
 probe switches compile on after validation, as bench/profile_train.py does.
 
-    python bench/zero3_compile_probe.py --out /tmp/zero3_compile_probe.json
+    python bench/zero3_compile_probe.py --out /tmp/zero3_compile_probe.json [--variants eager,inductor,...]
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234"]
 
 
-def one_mode(compiled: bool) -> dict[str, float]:
+VARIANTS = ("eager", "inductor", "aot_eager", "dynamo_eager", "inductor_persistent", "inductor_eager_gemm",
+            "cpu_eager", "cpu_inductor")
+
+
+def one_mode(variant: str) -> dict[str, float]:
+    import functools
+
     import torch
+
+    import megatron_ds.training.engine as engine_module
 
     from bench.bench_train import GPT2_VOCAB, synthetic_dataset
     from megatron_ds.parallel.state import init_parallel
@@ -40,13 +50,33 @@ def one_mode(compiled: bool) -> dict[str, float]:
     prefix = synthetic_dataset(Path("/tmp/mds_profile_data") / "syn", 1_000_000)
     args = parse_args(MODEL + ["--train-iters", "10", "--lr", "1e-4", "--data-path", str(prefix),
                                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
+    on_cpu = variant.startswith("cpu_")
+    backend = variant.removeprefix("cpu_").removesuffix("_persistent").removesuffix("_eager_gemm")
+    backend = backend.removeprefix("dynamo_")
     args.torch_compile = False
     validate(args, 1)
-    args.torch_compile = compiled  # after validation, which refuses it
-    torch.cuda.set_device(0)
-    state = init_parallel(1, 1, "nccl")
+    args.torch_compile = backend != "eager" or variant == "dynamo_eager"  # after validation, which may refuse it
+    if args.torch_compile:  # megatron_ds.model.compiled calls torch.compile(fn): this process only
+        torch.compile = functools.partial(torch.compile, backend=backend)
+    if variant.endswith("_eager_gemm"):  # every linear's GEMM outside the compiled graphs (graph breaks)
+        from megatron_ds.parallel.layers import LocalGEMM
+
+        LocalGEMM.forward = torch.compiler.disable(torch.nn.Linear.forward)
+    if variant.endswith("_persistent"):  # nothing released between forward and backward
+        build = engine_module.build_ds_config
+
+        def persistent(*a, **k):
+            config = build(*a, **k)
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 10**12
+            return config
+
+        engine_module.build_ds_config = persistent
+    if not on_cpu:
+        torch.cuda.set_device(0)
+    state = init_parallel(1, 1, "gloo" if on_cpu else "nccl")
     engine = build_engine(args, precision_from_args(args), state, pad_vocab_size(GPT2_VOCAB + 1, 128, 1)).engine
-    batch = torch.randint(0, GPT2_VOCAB, (4, 257), generator=torch.Generator().manual_seed(0)).cuda()
+    batch = torch.randint(0, GPT2_VOCAB, (4, 257), generator=torch.Generator().manual_seed(0))
+    batch = batch if on_cpu else batch.cuda()
     loss = engine(batch[:, :-1], batch[:, 1:]).mean()
     engine.backward(loss)
     norms = {"loss": float(loss)}
@@ -59,22 +89,30 @@ def one_mode(compiled: bool) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--mode", choices=["eager", "compiled"], help=argparse.SUPPRESS)
+    p.add_argument("--variants", default="eager,inductor", help=f"comma-separated, the first is the baseline; "
+                   f"of {', '.join(VARIANTS)}")
+    p.add_argument("--mode", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mode:
-        args.out.write_text(json.dumps(one_mode(args.mode == "compiled")))
+        args.out.write_text(json.dumps(one_mode(args.mode)))
         return 0
+    variants = args.variants.split(",")
     results = {}
-    for mode in ("eager", "compiled"):
-        path = args.out.with_suffix(f".{mode}.json")
-        subprocess.run([sys.executable, __file__, "--mode", mode, "--out", str(path)], check=True)
-        results[mode] = json.loads(path.read_text())
-    eager, compiled = results["eager"], results["compiled"]
-    rows = [(name, eager[name], compiled.get(name)) for name in eager]
-    args.out.write_text(json.dumps({"model": MODEL, "rows": rows}, indent=1))
-    for name, e, c in rows:
-        mark = "" if e is not None and c is not None and abs(e - c) <= 1e-2 * max(abs(e), 1e-12) else "  <--"
-        print(f"{name:60s} eager {e!s:>12.12} compiled {c!s:>12.12}{mark}")
+    for variant in variants:
+        path = args.out.with_suffix(f".{variant}.json")
+        done = subprocess.run([sys.executable, __file__, "--mode", variant, "--out", str(path)])
+        results[variant] = json.loads(path.read_text()) if done.returncode == 0 else {}
+    base = results[variants[0]]
+    rows = [(name, *(results[v].get(name) for v in variants)) for name in base]
+    total = {v: sum(x * x for n, x in results[v].items() if n != "loss" and x is not None) ** 0.5 for v in variants}
+    args.out.write_text(json.dumps({"model": MODEL, "variants": variants, "rows": rows, "grad_norm": total},
+                                   indent=1))
+    print(f"{'':50s}" + "".join(f"{v:>20s}" for v in variants))
+    print(f"{'total gradient norm':50s}" + "".join(f"{total[v]:20.6g}" for v in variants))
+    for name, *values in rows:
+        e = values[0]
+        off = [c is None or e is None or abs(e - c) > 1e-2 * max(abs(e), 1e-12) for c in values[1:]]
+        print(f"{name:50s}" + "".join(f"{v!s:>20.12}" for v in values) + ("  <--" if any(off) else ""))
     return 0
 
 
