@@ -1,12 +1,16 @@
-"""ZeRO-3 with compiled layers trains off the eager curve on CUDA (session 6: first-step gradient norm 2.53 vs
-4.11 on one H200): which gradients go missing, and where? One forward/backward of the same batch at ZeRO-3, eager
-and compiled variants (each in its own process), and every parameter's gradient norm side by side (DeepSpeed's
-safe_get_full_grad, read before any step). Variants bisect the cause: the compile backend (inductor, aot_eager:
-AOTAutograd without inductor, eager: dynamo alone), ZeRO-3 with every parameter persistent (never released
-between forward and backward), every linear's GEMM left out of the compiled graphs, and the CPU (gloo). Validation may refuse --torch-compile with ZeRO-3; this
-probe switches compile on after validation, as bench/profile_train.py does.
+"""ZeRO-3 with compiled layers trained off the eager curve on CUDA (session 6: first-step gradient norm 2.53 vs
+4.11 on one H200): which gradients go missing, and why? One forward/backward of the same batch at ZeRO-3 for each
+variant (each in its own process), and every parameter's gradient norm side by side (DeepSpeed's
+safe_get_full_grad, read before any step); the first variant is the baseline.
 
-    python bench/zero3_compile_probe.py --out /tmp/zero3_compile_probe.json [--variants eager,inductor,...]
+A variant is [cpu_]BACKEND[+MODIFIER...]: BACKEND eager (no compile), inductor, aot_eager (AOTAutograd without
+inductor) or dynamo_eager (dynamo alone); modifiers: +dslinear (ZeRO-3's own linear autograd Function, DeepSpeed's
+default memory_efficient_linear, which mds turns off when compiling), +persistent (no parameter released between
+forward and backward), +eager_gemm (every linear's GEMM outside the compiled graphs). Session 7 found it with
+these: dynamo alone loses the gradients too, persistent parameters do not help, GEMMs outside the graph do; the
+cause is dynamo tracing LinearFunctionForZeroStage3 (torch 2.11, CUDA; the CPU with torch 2.13 is right).
+
+    python bench/zero3_compile_probe.py --out /tmp/zero3_compile_probe.json --variants eager,inductor,inductor+dslinear
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234"]
 
 
-VARIANTS = ("eager", "inductor", "aot_eager", "dynamo_eager", "inductor_persistent", "inductor_eager_gemm",
-            "cpu_eager", "cpu_inductor")
+BACKENDS = ("eager", "inductor", "aot_eager", "dynamo_eager")
+MODIFIERS = ("dslinear", "persistent", "eager_gemm")
 
 
 def one_mode(variant: str) -> dict[str, float]:
@@ -50,27 +54,29 @@ def one_mode(variant: str) -> dict[str, float]:
     prefix = synthetic_dataset(Path("/tmp/mds_profile_data") / "syn", 1_000_000)
     args = parse_args(MODEL + ["--train-iters", "10", "--lr", "1e-4", "--data-path", str(prefix),
                                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
+    backend, *modifiers = variant.removeprefix("cpu_").split("+")
     on_cpu = variant.startswith("cpu_")
-    backend = variant.removeprefix("cpu_").removesuffix("_persistent").removesuffix("_eager_gemm")
-    backend = backend.removeprefix("dynamo_")
+    assert backend in BACKENDS and set(modifiers) <= set(MODIFIERS), variant
     args.torch_compile = False
     validate(args, 1)
-    args.torch_compile = backend != "eager" or variant == "dynamo_eager"  # after validation, which may refuse it
+    args.torch_compile = backend != "eager"  # after validation
     if args.torch_compile:  # megatron_ds.model.compiled calls torch.compile(fn): this process only
-        torch.compile = functools.partial(torch.compile, backend=backend)
-    if variant.endswith("_eager_gemm"):  # every linear's GEMM outside the compiled graphs (graph breaks)
+        torch.compile = functools.partial(torch.compile, backend=backend.removeprefix("dynamo_"))
+    if "eager_gemm" in modifiers:  # every linear's GEMM outside the compiled graphs (graph breaks)
         from megatron_ds.parallel.layers import LocalGEMM
 
         LocalGEMM.forward = torch.compiler.disable(torch.nn.Linear.forward)
-    if variant.endswith("_persistent"):  # nothing released between forward and backward
-        build = engine_module.build_ds_config
+    build = engine_module.build_ds_config
 
-        def persistent(*a, **k):
-            config = build(*a, **k)
+    def with_modifiers(*a, **k):
+        config = build(*a, **k)
+        if "dslinear" in modifiers:
+            config["zero_optimization"]["memory_efficient_linear"] = True
+        if "persistent" in modifiers:
             config["zero_optimization"]["stage3_param_persistence_threshold"] = 10**12
-            return config
+        return config
 
-        engine_module.build_ds_config = persistent
+    engine_module.build_ds_config = with_modifiers
     if not on_cpu:
         torch.cuda.set_device(0)
     state = init_parallel(1, 1, "gloo" if on_cpu else "nccl")
@@ -89,9 +95,9 @@ def one_mode(variant: str) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--variants", default="eager,inductor", help=f"comma-separated, the first is the baseline; "
-                   f"of {', '.join(VARIANTS)}")
-    p.add_argument("--mode", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--variants", default="eager,inductor,inductor+dslinear",
+                   help="comma-separated, the first is the baseline (see above)")
+    p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mode:
         args.out.write_text(json.dumps(one_mode(args.mode)))

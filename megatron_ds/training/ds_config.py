@@ -28,6 +28,12 @@ def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
     zero["stage"] = args.zero_stage
     if ulysses_zero.applies(args.zero_stage, getattr(args, "ds_sequence_parallel_size", 1) or 1):
         zero["reduce_scatter"] = True  # the one reduction path its backward scale is right for (ulysses_zero.py)
+    if args.zero_stage == 3 and args.torch_compile:
+        # ZeRO-3 otherwise replaces torch.nn.functional.linear with its own autograd Function
+        # (LinearFunctionForZeroStage3); traced by dynamo inside a compiled layer (torch 2.11, CUDA) its input
+        # gradients came out None: every norm, QKV and FC1 gradient zero (bench/zero3_compile_probe.py).
+        # A file that sets it true is refused with --torch-compile (arguments/rules.py compile_off_reason).
+        zero.setdefault("memory_efficient_linear", False)
     config["zero_optimization"] = zero
     for section, ours in precision.deepspeed_config().items():
         # The user's keys win (e.g. bf16.immediate_grad_update, the fp16 loss scaling of the file, as under

@@ -91,9 +91,25 @@ def test_ds_config_ulysses_zero3_pins_reduce_scatter():
     def zero_section(stage: int, sp: int) -> dict:
         args = SimpleNamespace(ds_config_file={"zero_optimization": {"reduce_bucket_size": 5}}, global_batch_size=4,
                                micro_batch_size=2, gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=stage,
-                               sequence_parallel=False, ds_sequence_parallel_size=sp)
+                               sequence_parallel=False, ds_sequence_parallel_size=sp, torch_compile=False)
         return build_ds_config(args, Precision("fp32", torch.float32), on_cpu=True)["zero_optimization"]
 
     assert zero_section(3, 2) == {"reduce_bucket_size": 5, "stage": 3, "reduce_scatter": True}
     assert zero_section(3, 1) == {"reduce_bucket_size": 5, "stage": 3}
     assert zero_section(2, 2) == {"reduce_bucket_size": 5, "stage": 2}
+
+
+def test_ds_config_compiled_zero3_keeps_torch_linear():
+    """ZeRO-3's memory_efficient_linear (DeepSpeed's default: its own linear autograd Function in place of
+    torch.nn.functional.linear) lost every input gradient inside a compiled layer on CUDA: off when compiling."""
+    from types import SimpleNamespace
+
+    def zero_section(stage: int, compiled: bool) -> dict:
+        args = SimpleNamespace(ds_config_file=None, global_batch_size=4, micro_batch_size=2,
+                               gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=stage, sequence_parallel=False,
+                               ds_sequence_parallel_size=1, torch_compile=compiled)
+        return build_ds_config(args, Precision("bf16", torch.bfloat16), on_cpu=True)["zero_optimization"]
+
+    assert zero_section(3, True) == {"stage": 3, "memory_efficient_linear": False}
+    assert zero_section(3, False) == {"stage": 3}  # eager: DeepSpeed's default
+    assert zero_section(1, True) == {"stage": 1}

@@ -440,6 +440,10 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
     if dims.sp > 1:
         return (f"not with --ds-sequence-parallel-size {dims.sp} (DeepSpeed's all-to-all inside a compiled layer is "
                 "untested in mds)")
+    file_zero = (getattr(args, "ds_config_file", None) or {}).get("zero_optimization") or {}  # set in validate
+    if args.zero_stage == 3 and file_zero.get("memory_efficient_linear", False):
+        return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
+                "ZeRO-3's linear autograd Function wrongly: input gradients lost; mds sets it false when compiling)")
     engine = engine_name(args) if fp8_requested(args) is not None else None
     if engine == "te":
         return ("not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine "
