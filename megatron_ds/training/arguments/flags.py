@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile each transformer layer with torch.compile: norms, GeLU, dropout and residual "
                         "adds fused (bench/RESULTS.md has the speed-up; the start-up log prints the compile time). "
                         "Default: on with a CUDA GPU, off on CPU (there the compile time dominates small runs and "
-                        "CI) and on ROCm (untested); off, with a notice, where mds cannot compile yet (--zero-stage "
-                        "3, --ds-sequence-parallel-size, Transformer Engine FP8, MS-AMP), where the explicit "
+                        "CI) and on ROCm (untested); off, with a notice, where mds cannot compile yet "
+                        "(--ds-sequence-parallel-size, Transformer Engine FP8, MS-AMP), where the explicit "
                         "flag is refused. A compile failure falls back to the eager layers with one warning. "
                         "--no-torch-compile: eager")
 
