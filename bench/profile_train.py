@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -48,35 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megatron_ds.data.tokenizers import build_tokenizer
-    from megatron_ds.parallel.state import init_parallel
-    from megatron_ds.precision import from_args as precision_from_args
-    from megatron_ds.training.arguments import pad_vocab_size, parse_args, validate
-    from megatron_ds.training.engine import build_engine
+    from bench.bench_train import GPT2_VOCAB
+    from bench.in_process import build
 
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29561")):
-        os.environ.setdefault(key, value)
-    data_dir = Path("/tmp/mds_profile_data")
-    from bench.bench_train import GPT2_VOCAB, synthetic_dataset
+    def before_validate(train_args) -> None:
+        if "nodrop" in variants:
+            train_args.hidden_dropout = train_args.attention_dropout = 0.0
+        if "autocast" in variants:
+            train_args.bf16 = False
+        train_args.torch_compile = "compile" in variants  # the variant decides, not the CUDA default
 
-    prefix = synthetic_dataset(data_dir / "syn", 1_000_000)
-    train_args = parse_args(flags + ["--train-iters", "100", "--lr", "1e-4", "--data-path", str(prefix),
-                                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
-    if "nodrop" in variants:
-        train_args.hidden_dropout = train_args.attention_dropout = 0.0
-    if "autocast" in variants:
-        train_args.bf16 = False
-    train_args.torch_compile = "compile" in variants  # the variant decides, not the CUDA default
-    validate(train_args, 1)
-    if "igu" in variants:  # after validate, which reads --deepspeed_config into ds_config_file
-        train_args.ds_config_file = {**(train_args.ds_config_file or {}), "bf16": {"immediate_grad_update": True}}
-    torch.cuda.set_device(0)
-    state = init_parallel(train_args.tensor_model_parallel_size, train_args.pipeline_model_parallel_size, "nccl")
-    tok = build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB)
-    vocab = pad_vocab_size(tok.vocab_size, train_args.make_vocab_size_divisible_by, 1)
-    precision = precision_from_args(train_args)
-    built = build_engine(train_args, precision, state, vocab)
+    def after_validate(train_args) -> None:
+        if "igu" in variants:  # after validate, which reads --deepspeed_config into ds_config_file
+            train_args.ds_config_file = {**(train_args.ds_config_file or {}), "bf16": {"immediate_grad_update": True}}
+
+    train_args, built = build(flags, before_validate=before_validate, after_validate=after_validate)
     engine = built.engine
     b, s = train_args.micro_batch_size, train_args.seq_length
     g = torch.Generator().manual_seed(0)

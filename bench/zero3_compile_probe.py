@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,37 +38,25 @@ def one_mode(variant: str) -> dict[str, float]:
 
     import torch
 
-    import megatron_ds.training.engine as engine_module
-
-    from bench.bench_train import GPT2_VOCAB, synthetic_dataset
-    from megatron_ds.parallel.state import init_parallel
-    from megatron_ds.precision import from_args as precision_from_args
-    from megatron_ds.training.arguments import pad_vocab_size, parse_args, validate
-    from megatron_ds.training.engine import build_engine
     from deepspeed.utils import safe_get_full_grad
 
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29563")):
-        os.environ.setdefault(key, value)
-    prefix = synthetic_dataset(Path("/tmp/mds_profile_data") / "syn", 1_000_000)
-    args = parse_args(MODEL + ["--train-iters", "10", "--lr", "1e-4", "--data-path", str(prefix),
-                               "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
+    import megatron_ds.training.engine as engine_module
+    from bench.bench_train import GPT2_VOCAB
+    from bench.in_process import build
+
     backend, *modifiers = variant.removeprefix("cpu_").split("+")
     on_cpu = variant.startswith("cpu_")
     assert backend in BACKENDS and set(modifiers) <= set(MODIFIERS), variant
-    args.torch_compile = False
-    validate(args, 1)
-    args.torch_compile = backend != "eager"  # after validation
-    if args.torch_compile:  # megatron_ds.model.compiled calls torch.compile(fn): this process only
+    if backend != "eager":  # megatron_ds.model.compiled calls torch.compile(fn): this process only
         torch.compile = functools.partial(torch.compile, backend=backend.removeprefix("dynamo_"))
     if "eager_gemm" in modifiers:  # every linear's GEMM outside the compiled graphs (graph breaks)
         from megatron_ds.parallel.layers import LocalGEMM
 
         LocalGEMM.forward = torch.compiler.disable(torch.nn.Linear.forward)
-    build = engine_module.build_ds_config
+    ds_config = engine_module.build_ds_config
 
     def with_modifiers(*a, **k):
-        config = build(*a, **k)
+        config = ds_config(*a, **k)
         if "dslinear" in modifiers:
             config["zero_optimization"]["memory_efficient_linear"] = True
         if "persistent" in modifiers:
@@ -77,10 +64,12 @@ def one_mode(variant: str) -> dict[str, float]:
         return config
 
     engine_module.build_ds_config = with_modifiers
-    if not on_cpu:
-        torch.cuda.set_device(0)
-    state = init_parallel(1, 1, "gloo" if on_cpu else "nccl")
-    engine = build_engine(args, precision_from_args(args), state, pad_vocab_size(GPT2_VOCAB + 1, 128, 1)).engine
+
+    def compile_or_not(args) -> None:
+        args.torch_compile = backend != "eager"
+
+    _, built = build(MODEL, before_validate=compile_or_not, device="cpu" if on_cpu else "cuda", master_port=29563)
+    engine = built.engine
     batch = torch.randint(0, GPT2_VOCAB, (4, 257), generator=torch.Generator().manual_seed(0))
     batch = batch if on_cpu else batch.cuda()
     loss = engine(batch[:, :-1], batch[:, 1:]).mean()

@@ -1,0 +1,46 @@
+"""The model and DeepSpeed engine that `entrypoint train` builds for some flags, in this one process (world size 1)
+on the synthetic GPT-2-vocabulary corpus: what the profiles and probes in bench/ look inside.
+
+``before_validate`` and ``after_validate`` let a probe change one thing the flags cannot say (a variant), on
+either side of validation, which would refuse or fill some of them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+DATA_DIR = Path("/tmp/mds_profile_data")
+
+
+def build(flags: list[str], *, before_validate: Callable | None = None, after_validate: Callable | None = None,
+          device: str = "cuda", master_port: int = 29561):
+    """(validated args, DeepSpeed engine) for ``flags``, built the way `entrypoint train` builds them."""
+    import torch
+
+    from bench.bench_train import GPT2_VOCAB, synthetic_dataset
+    from megatron_ds.data.tokenizers import build_tokenizer
+    from megatron_ds.parallel.state import init_parallel
+    from megatron_ds.precision import from_args as precision_from_args
+    from megatron_ds.training.arguments import pad_vocab_size, parse_args, validate
+    from megatron_ds.training.engine import build_engine
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port))):
+        os.environ.setdefault(key, value)
+    prefix = synthetic_dataset(DATA_DIR / "syn", 1_000_000)
+    args = parse_args(flags + ["--train-iters", "100", "--lr", "1e-4", "--data-path", str(prefix),
+                               "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
+    if before_validate is not None:
+        before_validate(args)
+    validate(args, 1)
+    if after_validate is not None:
+        after_validate(args)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    state = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                          "nccl" if device == "cuda" else "gloo")
+    vocab = pad_vocab_size(build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB).vocab_size,
+                           args.make_vocab_size_divisible_by, 1)
+    return args, build_engine(args, precision_from_args(args), state, vocab)
