@@ -377,6 +377,19 @@ stage_zero3compile() {  # issue 15, one GPU, one call: ZeRO-3 compiled (whole-la
   t 150 $B $S --name gpt1_3b_s2048_mbs16_z3_compile_1gpu -- $M
 }
 
+stage_gelu() {  # issues 14/15, one call: GPT-1.3B without dropout, exact GeLU vs its tanh approximation
+  # (--openai-gelu: Megatron's fused bias-GeLU, the plain-PyTorch reference's), bf16 and FP8 (torchao) each; and
+  # the one-process profile harness once (bench/in_process.py)
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 20 --warmup-steps 8" N="--hidden-dropout 0 --attention-dropout 0"
+  ds_patches
+  t 230 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_nodrop_fp8_erf -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
+    --torch-compile $N
+  t 230 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_nodrop_fp8_tanh -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
+    --torch-compile $N --openai-gelu
+  t 120 $PYTHON bench/profile_train.py --no-profile --steps 5 --variant compile --out "$LOGS/profile_check.txt" -- \
+    $GPT13 --micro-batch-size 8 --zero-stage 1
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }

@@ -110,6 +110,7 @@ class GPTConfig:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
+    openai_gelu: bool = False  # GeLU's tanh approximation (Megatron's --openai-gelu and fused bias-GeLU, GPT-2's)
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1

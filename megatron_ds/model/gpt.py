@@ -177,12 +177,14 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> ffn -> h; ffn split over TP. GeLU, or SwiGLU with a fused [gate; up] column-parallel weight."""
+    """h -> ffn -> h; ffn split over TP. GeLU (exact, or its tanh approximation), or SwiGLU with a fused
+    [gate; up] column-parallel weight."""
 
     def __init__(self, config: GPTConfig, layer_number: int, group):
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
         self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype)
         self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, splits=[f, f] if self.swiglu else None,
@@ -195,7 +197,7 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.fc2(y)
 
 

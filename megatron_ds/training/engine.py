@@ -35,6 +35,7 @@ def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfi
         max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
         rotary_base=rotary_base, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
+        openai_gelu=getattr(args, "openai_gelu", False),  # checkpoints' args from before the flag: exact GeLU
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, attention_backend=args.attention_backend,

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", type=_str2norm, help="LayerNorm (default) or RMSNorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GeLU's tanh approximation (GPT-2's gelu_new; what Megatron's fused bias-GeLU computes) "
+                        "instead of the exact (erf) GeLU")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="= --position-embedding-type rope")
     g.add_argument("--rotary-base", "--rope-theta", dest="rotary_base", type=float, default=10000.0)
