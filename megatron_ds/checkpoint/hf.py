@@ -7,7 +7,7 @@ Other mixes (e.g. LayerNorm with rope) have no faithful HF class and are refused
 Conventions that make the numbers match:
 - GPT-2's Conv1D stores weights [in, out]: ours [out, in] are transposed; c_attn is our fused [q; k; v].
 - Our rope rotates the halves (x[i], x[i + d/2]), HF LLaMA's rotate_half convention: q/k need no permutation.
-- Our GeLU is the exact (erf) one: GPT-2's ``activation_function`` is "gelu", not GPT-2's "gelu_new".
+- GPT-2's ``activation_function``: "gelu" for our exact (erf) GeLU, "gelu_new" for --openai-gelu (tanh).
 - GPT-2 always has biases: a model trained with --disable-bias-linear exports zero biases (exact).
 - The vocabulary padding (--make-vocab-size-divisible-by x TP) is trimmed to the tokenizer's size.
 """
@@ -93,7 +93,8 @@ def _gpt2(sd: dict, args: dict, vocab: int, num_layers: int) -> tuple[dict, dict
     config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
         "n_positions": out["transformer.wpe.weight"].shape[0], "n_embd": h, "n_layer": num_layers,
-        "n_head": args["num_attention_heads"], "n_inner": ffn, "activation_function": "gelu",
+        "n_head": args["num_attention_heads"], "n_inner": ffn,
+        "activation_function": "gelu_new" if args.get("openai_gelu") else "gelu",
         "layer_norm_epsilon": args.get("norm_epsilon", 1e-5), "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": tied,
     }

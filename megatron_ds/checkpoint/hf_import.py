@@ -62,9 +62,8 @@ def _refuse(hf_dir: str, arch: str, problems: list[str]) -> None:
         raise CheckpointError(f"--from hf {hf_dir}: this {arch} has what mds's model does not: " + "; ".join(problems))
 
 
-def model_flags(config: dict, hf_dir: str) -> tuple[list[str], list[str]]:
-    """(the `entrypoint train` model flags of the same model, warnings) for a supported HF config."""
-    warnings: list[str] = []
+def model_flags(config: dict, hf_dir: str) -> list[str]:
+    """The `entrypoint train` model flags of the same model, for a supported HF config."""
     if config["model_type"] == "gpt2":
         act = config.get("activation_function", "gelu_new")
         _refuse(hf_dir, "GPT2LMHeadModel", [why for bad, why in (
@@ -72,15 +71,14 @@ def model_flags(config: dict, hf_dir: str) -> tuple[list[str], list[str]]:
             (not config.get("scale_attn_weights", True), "unscaled attention (scale_attn_weights false)"),
             (config.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx"),
             (config.get("add_cross_attention"), "cross attention")) if bad])
-        if act != "gelu":
-            warnings.append(f"activation_function {act!r} is GeLU's tanh approximation; mds's MLP uses the exact "
-                            "(erf) GeLU, so activations differ slightly (about 1e-3 at most) from HF's")
         h = config["n_embd"]
         flags = ["--num-layers", config["n_layer"], "--hidden-size", h, "--num-attention-heads", config["n_head"],
                  "--ffn-hidden-size", config.get("n_inner") or 4 * h, "--seq-length", config["n_positions"],
                  "--max-position-embeddings", config["n_positions"],
                  "--norm-epsilon", config.get("layer_norm_epsilon", 1e-5),
                  "--hidden-dropout", config.get("resid_pdrop", 0.1), "--attention-dropout", config.get("attn_pdrop", 0.1)]
+        if act != "gelu":  # gelu_new, gelu_pytorch_tanh: the tanh approximation
+            flags.append("--openai-gelu")
         tied = config.get("tie_word_embeddings", True)
     else:
         h, heads = config["hidden_size"], config["num_attention_heads"]
@@ -106,7 +104,7 @@ def model_flags(config: dict, hf_dir: str) -> tuple[list[str], list[str]]:
         tied = config.get("tie_word_embeddings", False)
     if not tied:
         flags.append("--untie-embeddings-and-output-weights")
-    return [str(f) for f in flags], warnings
+    return [str(f) for f in flags]
 
 
 def tokenizer_flags(hf_dir: str) -> list[str]:
@@ -217,7 +215,7 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     from megatron_ds.training.arguments.sources import parse_args
 
     config = read_config(hf_dir)
-    flags, warnings = model_flags(config, hf_dir)
+    flags, warnings = model_flags(config, hf_dir), []
     flags += tokenizer_flags(hf_dir)
     layout_flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                     "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]

@@ -189,7 +189,7 @@ def model_flags(args: Namespace) -> list[str]:
 
     problems = [why for bad, why in (
         ((get("num_experts") or [1]) != [1] and get("num_experts") not in (None, 1), "mixture of experts"),
-        (get("openai_gelu"), "--openai-gelu"), (get("squared_relu"), "--squared-relu"),
+        (get("squared_relu"), "--squared-relu"),
         (get("use_rotary_position_embeddings") and get("add_position_embedding", False),
          "both rotary and learned position embeddings"),
         (get("kv_channels") not in (None, args.hidden_size // args.num_attention_heads), "--kv-channels != hidden/heads"),
@@ -208,6 +208,8 @@ def model_flags(args: Namespace) -> list[str]:
         flags += ["--position-embedding-type", "rope", "--rotary-base", get("rope_theta", 10000)]
     if get("swiglu"):
         flags.append("--swiglu")
+    elif get("openai_gelu") or (get("bias_gelu_fusion") and get("add_bias_linear", True)):
+        flags.append("--openai-gelu")  # Megatron's fused bias-GeLU (its default) is the tanh approximation too
     if not get("add_bias_linear", True):
         flags.append("--disable-bias-linear")
     if get("untie_embeddings_and_output_weights"):
@@ -294,12 +296,7 @@ def import_megatron_deepspeed(source: str, out_dir: str, *, tp: int = 1, pp: int
         model_shape["vocab_size"] = None  # the tokenizer is unknown here: the load check compares shapes only
     out = writer.write(full, args, model_shape, record, out_dir, tp=tp, pp=pp,
                        source={"format": "megatron-deepspeed", "path": os.path.abspath(directory)})
-    warnings = []
-    if getattr(saved_args, "bias_gelu_fusion", False) and not getattr(saved_args, "swiglu", False) \
-            and getattr(saved_args, "add_bias_linear", True):
-        warnings.append("the checkpoint trained with Megatron's fused bias-GeLU (tanh approximation; "
-                        "--no-bias-gelu-fusion turns it off): mds's MLP uses exact GeLU")
-    return {"directory": out, "flags": flags + tokenizer + layout_flags[:4], "warnings": warnings,
+    return {"directory": out, "flags": flags + tokenizer + layout_flags[:4], "warnings": [],
             "architecture": f"Megatron-DeepSpeed GPT (TP {source_tp}, checkpoint_version {version:g}, "
                             f"query_key_value order {order})", "vocab_size": rows,
             "tokenizer": bool(tokenizer)}

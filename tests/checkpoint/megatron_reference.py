@@ -138,8 +138,9 @@ def _mlp(piece: dict, y, args: Namespace) -> torch.Tensor:
     if args.swiglu:
         gate, up = torch.chunk(hidden, 2, dim=-1)
         hidden = F.silu(gate) * up
-    else:
-        hidden = F.gelu(hidden)
+    else:  # Megatron: its fused bias-GeLU (the default) and --openai-gelu are the tanh approximation
+        tanh = getattr(args, "openai_gelu", False) or (args.bias_gelu_fusion and args.add_bias_linear)
+        hidden = F.gelu(hidden, approximate="tanh" if tanh else "none")
     return F.linear(hidden, piece["mlp.dense_4h_to_h.weight"])
 
 

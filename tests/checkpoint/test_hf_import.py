@@ -1,6 +1,6 @@
 """`entrypoint convert --from hf`: small randomly initialised HF GPT-2 and LLaMA models, saved locally.
 
-Each is imported, our forward (built from the flags the import printed, loading the files it wrote)
+Each is imported (GPT-2 with its own default GeLU, the tanh approximation: --openai-gelu), our forward (built from the flags the import printed, loading the files it wrote)
 must give HF's logits within 1e-4 (fp32; single process and TP=2 through real gloo ranks), export
 must give back HF's tensors exactly, and `entrypoint train --load --finetune` must run from it.
 """
@@ -35,7 +35,7 @@ def save_gpt2(path: Path) -> Path:
     import transformers
 
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                     activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config)
     _randomise(model, 1)
     model.save_pretrained(path)
@@ -120,6 +120,7 @@ def test_import_prints_the_flags_and_writes_a_weights_only_checkpoint(imported):
         assert flags[flags.index("--normalization") + 1] == "RMSNorm"
     else:
         assert "--swiglu" not in flags and "--untie-embeddings-and-output-weights" not in flags
+        assert "--openai-gelu" in flags and "warning" not in stdout  # gelu_new: the tanh approximation, exactly
     assert (mds / "latest").read_text() == "iter_0000000"
     metadata = json.loads((mds / "iter_0000000" / "mds_checkpoint.json").read_text())
     assert (metadata["optimizer_saved"], metadata["rng_saved"], metadata["layout"]["tp"]) == (False, False, 1)
@@ -158,6 +159,9 @@ def test_import_then_export_gives_back_the_hf_tensors_exactly(imported, tmp_path
     assert sorted(original) == sorted(back)
     for key, tensor in original.items():
         assert torch.equal(tensor, back[key]), key
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config.get("activation_function", "silu") == json.loads((hf_dir / "config.json").read_text()).get(
+        "activation_function", "silu")  # GPT-2: gelu_new back (LLaMA has hidden_act instead)
 
 
 def test_finetune_runs_two_iterations_from_the_import(imported, demo_corpus, tmp_path):

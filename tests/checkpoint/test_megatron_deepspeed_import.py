@@ -148,6 +148,20 @@ def test_every_upstream_qkv_order_imports(case, tmp_path):
                                reference.logits(ranks, args, order, TOKENS), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gelu, tanh", [({"bias_gelu_fusion": True}, True), ({"openai_gelu": True}, True),
+                                        ({}, False)], ids=["fused-bias-gelu", "openai-gelu", "exact"])
+def test_megatron_gelu_imports_as_the_same_activation(gelu, tanh, tmp_path):
+    """Megatron's fused bias-GeLU (its default) and --openai-gelu compute GeLU's tanh approximation: the
+    import says --openai-gelu for them (exact GeLU otherwise) and the logits agree."""
+    args = megatron_args("gpt2", 2, 1, **gelu)
+    ranks = reference.random_pieces(args, 2, "grouped", seed=3)
+    source = write_megatron(ranks, args, tmp_path / "src", 1)
+    result = convert("--from", "megatron-deepspeed", str(source), "--to", str(tmp_path / "mds"))
+    assert ("--openai-gelu" in result.stdout) == tanh and "warning" not in result.stdout + result.stderr
+    torch.testing.assert_close(our_logits(tmp_path / "mds" / "iter_0000000", TOKENS),
+                               reference.logits(ranks, args, "grouped", TOKENS), atol=1e-4, rtol=1e-5)
+
+
 def test_import_at_tp2_gives_upstreams_logits(tmp_path):
     args = megatron_args("llama", 2, 2)
     ranks = reference.random_pieces(args, 2, "grouped")

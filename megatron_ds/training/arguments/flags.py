@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 # in mds, or is always on). Accepted with a one-line notice so old launch scripts keep working.
 NO_OP_SWITCHES = {
     "--no-masked-softmax-fusion": "softmax fusion is the attention backend's business",
-    "--no-bias-gelu-fusion": "mds has no bias-gelu fusion kernel",
+    "--no-bias-gelu-fusion": "mds's GeLU is exact unless --openai-gelu (the tanh approximation, what Megatron's "
+                             "fused bias-GeLU computes)",
     "--no-bias-dropout-fusion": "mds has no bias-dropout fusion kernel",
     "--no-gradient-accumulation-fusion": "mds has no gradient-accumulation fusion kernel",
     "--no-async-tensor-model-parallel-allreduce": "mds does not overlap the TP all-reduce",
