@@ -7,11 +7,12 @@ turns FP8 on and re-checks the FP8 rules that do not concern the device (flags, 
 with training.loop.train exactly as a rank of `entrypoint train` does. Only the device rule is skipped.
 
     python fp8_train_driver.py --fp8-format hybrid <entrypoint train flags>
-(one process; RANK/WORLD_SIZE unset or 0/1)
+(one process per rank, with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as a launcher sets them; unset: one rank)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -25,12 +26,13 @@ def main(argv: list[str]) -> int:
     at = argv.index("--fp8-format")
     fp8_format = argv[at + 1]
     del argv[at:at + 2]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     args = parse_args(argv)
-    validate(args, 1)
+    validate(args, world)
     args.fp8_format, args.fp8_format_flag = fp8_format, "--fp8-format"
     args.argv = [*args.argv, "--fp8-format", fp8_format]
     rules_fp8.fp8_flags(args)
-    rules_fp8.fp8_shape(args, ParallelDims(1, args.tensor_model_parallel_size, args.pipeline_model_parallel_size))
+    rules_fp8.fp8_shape(args, ParallelDims(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size))
     return train(args)
 
 
