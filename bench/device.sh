@@ -390,17 +390,15 @@ stage_gelu() {  # issues 14/15, one call: GPT-1.3B without dropout, exact GeLU v
     $GPT13 --micro-batch-size 8 --zero-stage 1
 }
 
-stage_session7x2() {  # issue 15 on 2 GPUs, one call: ZeRO-3 DP=2 compiled reproduces the one-GPU curve and its
-  # eager self (dropout on and off); GPT-1.3B TP=2 eager vs compiled (now the default); DP=2 per GPU vs one GPU
+stage_session7x2() {  # issue 15 on 2 GPUs, one call: ZeRO-3 DP=2 and PP=2 compiled reproduce the one-GPU curve
+  # and their eager selves (dropout on and off); GPT-1.3B TP=2 eager vs compiled (now the default)
   local S="--steps 10 --warmup-steps 3" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
   ds_patches
-  MDS_GPU_REPORT="$LOGS/gpu_tests_zero3_dp2_compile.json" t 200 $PYTHON -m pytest -m gpu tests/gpu -q -rA \
-    -p no:cacheprovider -k "zero3_dp2_compile"
+  MDS_GPU_REPORT="$LOGS/gpu_tests_session7x2.json" t 300 $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k "zero3_dp2_compile or pp2_compile"
   t 110 $B $S --name gpt1_3b_s2048_mbs16_z1_tp2_eager_s7 -- $M --nproc-per-node 2 --tensor-model-parallel-size 2 \
     --no-torch-compile
   t 130 $B $S --name gpt1_3b_s2048_mbs16_z1_tp2_compile_s7 -- $M --nproc-per-node 2 --tensor-model-parallel-size 2
-  t 80 $B $S --name gpt1_3b_s2048_mbs16_z1_dp1_s7 -- $M --nproc-per-node 1
-  t 90 $B $S --dp-hint 2 --name gpt1_3b_s2048_mbs16_z1_dp2_s7 -- $M --nproc-per-node 2
 }
 
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)

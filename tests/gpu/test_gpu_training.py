@@ -119,6 +119,7 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 @pytest.mark.parametrize("name, extra, nproc", [
     pytest.param("tp2_compile", TP2, 2, marks=needs(2)),
     pytest.param("tp2_sp_compile", [*TP2, "--sequence-parallel"], 2, marks=needs(2)),
+    pytest.param("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], 2, marks=needs(2)),
     pytest.param("zero3_dp2_compile", ["--zero-stage", "3"], 2, marks=needs(2)),
     pytest.param("zero3_compile_1gpu", ["--zero-stage", "3"], 1, marks=needs(1)),
 ])
