@@ -9,19 +9,22 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 PY         := $(VENV)/bin/python
 READY      := $(VENV)/.mds-ready
+# The images' DeepSpeed, with the images' patches (patches/deepspeed), in the test venvs too
+DEEPSPEED_PIN := $(shell sed -n 's/^DEEPSPEED_VERSION=//p' cuda/versions)
 
 .PHONY: setup demo test test-system help
 
 help: ## list the targets, one line each
 	@awk -F':[^#]*## ' '/^[a-z0-9-]+:.*## / {printf "make %-21s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
 
-setup: $(READY) ## the .venv with torch (TORCH_SPEC when none imports) and megatron_ds[test], editable
+setup: $(READY) ## the .venv with torch (TORCH_SPEC when none imports), megatron_ds[test] editable, the images' patched DeepSpeed
 
-$(READY): pyproject.toml
+$(READY): pyproject.toml cuda/versions patches/deepspeed/series
 	@test -x $(PY) || { echo "+ $(PYTHON) -m venv --system-site-packages $(VENV)"; $(PYTHON) -m venv --system-site-packages $(VENV); }
 	@$(PY) -c "import torch" 2>/dev/null && echo "using torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
 	  || { echo "+ pip install $(TORCH_SPEC)"; $(PY) -m pip install "$(TORCH_SPEC)"; }
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test]" "deepspeed==$(DEEPSPEED_PIN)"
+	$(PY) patches/apply deepspeed --installed deepspeed --manifest $(VENV)/patch-manifest.json
 	@touch $@
 
 demo: $(READY) ## prepare the embedded corpus and train a small GPT on it (CPU or GPU)
@@ -117,7 +120,8 @@ test-torch21: oldest-stack-sources ## CPU model/training tests on torch 2.1.2 + 
 	test -x $(TORCH21_VENV)/bin/python || $(PYTHON) -m venv $(TORCH21_VENV)
 	printf 'torch==2.1.2\nnumpy<2\n' > $(TORCH21_VENV)/constraints.txt
 	$(TORCH21_VENV)/bin/python -m pip install -q -c $(TORCH21_VENV)/constraints.txt torch \
-	  "deepspeed==$(shell sed -n 's/^DEEPSPEED_VERSION=//p' cuda/versions)" -e ".[test]"
+	  "deepspeed==$(DEEPSPEED_PIN)" -e ".[test]"
+	$(TORCH21_VENV)/bin/python patches/apply deepspeed --installed deepspeed --manifest $(TORCH21_VENV)/patch-manifest.json
 	$(TORCH21_VENV)/bin/python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 	$(TORCH21_VENV)/bin/python -m pytest $(TORCH21_TESTS) $(TORCH21_DESELECT) $(PYTEST_ARGS)
 

@@ -5,7 +5,8 @@ AdamW, clipping active) gives bit-identical weights with and without the patches
 DeepSpeed picks for bf16 (BF16_Optimizer with fp32 gradient accumulation; DeepSpeedZeroOptimizer at
 ZeRO-1 and ZeRO-2, what mds runs), and a step whose gradient is not finite moves nothing, reports the norm
 as inf and leaves AdamW's step count alone.
-The patched copy of the installed DeepSpeed is made with patches/apply in a temporary folder.
+The test venvs run the patched DeepSpeed, as the images do (`make setup`); the unpatched and the patched copies
+compared here are made in temporary folders from the installed one (our patches reversed, then applied again).
 """
 
 from __future__ import annotations
@@ -56,24 +57,45 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def patched_site(tmp_path_factory) -> Path:
+def copy_of_installed_deepspeed(site: Path) -> Path:
     import deepspeed
 
+    shutil.copytree(Path(deepspeed.__file__).parent, site / "deepspeed", ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+@pytest.fixture(scope="module")
+def plain_site(tmp_path_factory) -> Path:
+    """The installed DeepSpeed without our patches (each one found applied is reversed, the last first)."""
+    from .test_patches import load_apply
+
+    apply = load_apply()
+    site = copy_of_installed_deepspeed(tmp_path_factory.mktemp("ds_plain"))
+    _, patches = apply.read_series("deepspeed")
+    for patch in reversed(patches):
+        if apply.git(["apply", "--check", "--reverse", str(patch)], site).returncode == 0:
+            done = apply.git(["apply", "--reverse", str(patch)], site)
+            assert done.returncode == 0, done.stderr
+    for patch in patches:  # pristine now: every patch applies forward
+        assert apply.git(["apply", "--check", str(patch)], site).returncode == 0, patch.name
+    return site
+
+
+@pytest.fixture(scope="module")
+def patched_site(plain_site, tmp_path_factory) -> Path:
     site = tmp_path_factory.mktemp("ds_patched")
-    shutil.copytree(Path(deepspeed.__file__).parent, site / "deepspeed",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(plain_site / "deepspeed", site / "deepspeed")
     result = subprocess.run([sys.executable, str(APPLY), "deepspeed", "--source", str(site),
                              "--manifest", str(site / "manifest.json")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     return site
 
 
-def run_driver(tmp_path: Path, site: Path | None, zero: int, accum: str) -> dict:
+def run_driver(tmp_path: Path, site: Path, zero: int, accum: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(ZERO=str(zero), ACCUM=accum)
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29633")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site) if site else "", env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
     result = subprocess.run([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -83,8 +105,9 @@ def run_driver(tmp_path: Path, site: Path | None, zero: int, accum: str) -> dict
 
 @pytest.mark.parametrize("zero,accum,optimizer", [(1, "fp32", "BF16_Optimizer"), (1, "bf16", "DeepSpeedZeroOptimizer"),
                                                   (2, "bf16", "DeepSpeedZeroOptimizer")])
-def test_patched_bf16_step_is_the_same_step_without_host_reads(patched_site, tmp_path, zero, accum, optimizer):
-    plain = run_driver(tmp_path, None, zero, accum)
+def test_patched_bf16_step_is_the_same_step_without_host_reads(plain_site, patched_site, tmp_path, zero, accum,
+                                                               optimizer):
+    plain = run_driver(tmp_path, plain_site, zero, accum)
     patched = run_driver(tmp_path, patched_site, zero, accum)
     assert plain["optimizer"] == patched["optimizer"] == optimizer
     assert plain["device_path"] is False and patched["device_path"] is True
