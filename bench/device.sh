@@ -390,6 +390,16 @@ stage_gelu() {  # issues 14/15, one call: GPT-1.3B without dropout, exact GeLU v
     $GPT13 --micro-batch-size 8 --zero-stage 1
 }
 
+stage_fp8cdt() {  # issue 14, one call: GPT-1.3B FP8 vs bf16 without dropout, plain and with inductor's
+  # coordinate-descent tuning of its fused kernels (torchao's amax/cast kernels ran ~3x off memory bandwidth)
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 20 --warmup-steps 8" N="--hidden-dropout 0 --attention-dropout 0"
+  ds_patches
+  t 230 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_nodrop_fp8_s7 -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
+    --torch-compile $N
+  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 t 330 $F $S --name gpt1_3b_s2048_mbs16_z1_compile_nodrop_fp8_cdt -- \
+    $GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile $N
+}
+
 stage_session7x2() {  # issue 15 on 2 GPUs, one call: ZeRO-3 DP=2 and PP=2 compiled reproduce the one-GPU curve
   # and their eager selves (dropout on and off); GPT-1.3B TP=2 eager vs compiled (now the default)
   local S="--steps 10 --warmup-steps 3" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
