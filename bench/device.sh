@@ -400,6 +400,15 @@ stage_fp8cdt() {  # issue 14, one call: GPT-1.3B FP8 vs bf16 without dropout, pl
     $GPT13 --micro-batch-size 16 --zero-stage 1 --torch-compile $N
 }
 
+stage_fp8tuned() {  # issue 14, one call: GPT-2.7B FP8 vs bf16 without dropout, FP8 with inductor's kernel tuning
+  # (the torchao default on CUDA since this commit) and without it (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0)
+  local F="$PYTHON bench/fp8_compare.py" S="--steps 16 --warmup-steps 6" N="--hidden-dropout 0 --attention-dropout 0"
+  local M="--preset GPT2_7B --bf16 --micro-batch-size 8 --zero-stage 1 --torch-compile $N"
+  ds_patches
+  t 280 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_nodrop_fp8_tuned -- $M
+  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 t 240 $F $S --name gpt2_7b_s2048_mbs8_z1_compile_nodrop_fp8_s7 -- $M
+}
+
 stage_session7x2() {  # issue 15 on 2 GPUs, one call: ZeRO-3 DP=2 and PP=2 compiled reproduce the one-GPU curve
   # and their eager selves (dropout on and off); GPT-1.3B TP=2 eager vs compiled (now the default)
   local S="--steps 10 --warmup-steps 3" M="$GPT13 --micro-batch-size 16 --zero-stage 1"

@@ -158,3 +158,21 @@ def test_doctor_runs_one_float8_linear_forward_and_backward():
     from megatron_ds.runtime.doctor import _torchao
 
     assert _torchao(torchao) == "Float8Linear forward and backward ok on the CPU"
+
+
+def test_inductor_kernel_tuning_is_on_for_cuda_unless_the_user_chose(monkeypatch):
+    """convert() turns inductor's coordinate-descent tuning on with a CUDA GPU (torchao's fused amax/cast kernels
+    gain from it); TORCHINDUCTOR_COORDINATE_DESCENT_TUNING set by the user wins; nothing changes on the CPU."""
+    import torch._inductor.config as inductor
+
+    from megatron_ds.precision import fp8_torchao
+
+    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
+    monkeypatch.delenv(fp8_torchao.TUNING_VARIABLE, raising=False)
+    assert fp8_torchao.tune_fused_kernels() is torch.cuda.is_available()  # this CPU machine: False, untouched
+    assert inductor.coordinate_descent_tuning is torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU node answers
+    assert fp8_torchao.tune_fused_kernels() and inductor.coordinate_descent_tuning
+    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
+    monkeypatch.setenv(fp8_torchao.TUNING_VARIABLE, "0")
+    assert not fp8_torchao.tune_fused_kernels() and not inductor.coordinate_descent_tuning
