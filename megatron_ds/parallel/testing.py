@@ -38,6 +38,10 @@ def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, sp: int,
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank named
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # The queue sends from a feeder thread; flush it before the teardown, which can block while holding the
+        # GIL (torch 2.1's gloo destroy_process_group: the result then never left and the parent timed out).
+        results.close()
+        results.join_thread()
         state.destroy()
 
 
