@@ -420,6 +420,13 @@ stage_session7x2() {  # issue 15 on 2 GPUs, one call: ZeRO-3 DP=2 and PP=2 compi
   t 130 $B $S --name gpt1_3b_s2048_mbs16_z1_tp2_compile_s7 -- $M --nproc-per-node 2 --tensor-model-parallel-size 2
 }
 
+stage_fp8x2() {  # issue 14 on 2 GPUs: FP8 (torchao) under TP=2 (+SP), PP=2, ZeRO-1/2/3 DP=2 against one GPU's FP8
+  # curve (pytest -m gpu; needs torchao from .whl)
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_fp8x2.json" t 420 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "fp8_layout"
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
