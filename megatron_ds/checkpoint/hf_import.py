@@ -215,7 +215,8 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     from megatron_ds.training.arguments.sources import parse_args
 
     config = read_config(hf_dir)
-    flags, warnings = model_flags(config, hf_dir), []
+    flags = model_flags(config, hf_dir)
+    warnings: list[str] = []
     flags += tokenizer_flags(hf_dir)
     layout_flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                     "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]

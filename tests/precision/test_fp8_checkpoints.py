@@ -43,18 +43,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_driver(cwd: Path, corpus, *extra: str) -> str:
+def run_driver(cwd: Path, corpus, *extra: str, nproc: int = 1) -> str:
+    """fp8_train_driver.py on ``nproc`` ranks (one process each, env:// as a launcher sets it); rank 0's output."""
     cwd.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     port = free_port()
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # one rank, as a launcher sets
     argv = [sys.executable, str(DRIVER), *FLAGS, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
             "--merge-file", corpus.merge_file, *extra]
-    result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-6000:]
-    return out
+    procs = []
+    for rank in range(nproc):
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * nproc, "\n".join(out[-6000:] for out in outs)
+    return outs[0]
 
 
 def losses(cwd: Path) -> dict[int, float]:

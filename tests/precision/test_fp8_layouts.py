@@ -10,14 +10,9 @@ and stays within the same bound here.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from test_fp8_checkpoints import DRIVER, FLAGS, LAUNCH_VARS, free_port, losses, run_driver
+from test_fp8_checkpoints import losses, run_driver
 
 pytestmark = pytest.mark.slow
 
@@ -33,23 +28,6 @@ LAYOUTS = {
 REL, MEAN_REL = 3e-3, 1e-3
 
 
-def run_two_ranks(cwd: Path, corpus, *extra: str) -> str:
-    cwd.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        argv = [sys.executable, str(DRIVER), *FLAGS, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
-                "--merge-file", corpus.merge_file, *extra]
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(out[-4000:] for out in outs)
-    return outs[0]
-
-
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, demo_corpus):
     cwd = tmp_path_factory.mktemp("fp8-one-rank")
@@ -59,7 +37,7 @@ def one_rank(tmp_path_factory, demo_corpus):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_fp8_layout_follows_the_one_rank_fp8_curve(layout, one_rank, demo_corpus, tmp_path):
-    out = run_two_ranks(tmp_path, demo_corpus, *LAYOUTS[layout])
+    out = run_driver(tmp_path, demo_corpus, *LAYOUTS[layout], nproc=2)
     assert "FP8 torchao" in out, out[-3000:]
     got = losses(tmp_path)
     assert sorted(got) == sorted(one_rank) == list(range(1, 11))

@@ -65,9 +65,9 @@ def test_compiled_run_prints_its_compile_time_and_trains_the_eager_model(tmp_pat
 
 
 def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
-    """ZeRO-3 on two gloo ranks, compiled: each layer's parameters are gathered at the layer (training/engine.py),
-    so the compiled layer body holds none of ZeRO-3's hooks (with them, CUDA lost the norm, QKV and FC1
-    gradients); the same global batch as the one-rank eager run."""
+    """ZeRO-3 on two gloo ranks, compiled, as mds compiles it: each layer gathered whole and torch's own linear
+    (DeepSpeed's memory_efficient_linear Function, traced by dynamo, lost the norm, QKV and FC1 gradients on
+    CUDA; training/ds_config.py); the same global batch as the one-rank eager run."""
     from megatron_ds.torch_support import compile_problem
 
     if compile_problem():  # torch 2.1: as above
