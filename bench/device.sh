@@ -427,6 +427,39 @@ stage_fp8x2() {  # issue 14 on 2 GPUs: FP8 (torchao) under TP=2 (+SP), PP=2, ZeR
     -k "fp8_layout"
 }
 
+tp_overlap_levers() {  # PRESET MICRO_BATCH NAME_STEM LIMIT_S: TP=2 + SP with the default flags (compiled, dropout
+  # 0.1) and each --tp-comm-overlap lever: none, reorder (inductor moves the collectives), pipeline (torch's async TP)
+  local S="--steps 8 --warmup-steps 3"
+  local M="--preset $1 --bf16 --micro-batch-size $2 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
+  ds_patches
+  t "$4" $B $S --name "$3_tp2_sp" -- $M --sequence-parallel
+  t "$4" $B $S --name "$3_tp2_sp_reorder" -- $M --sequence-parallel --tp-comm-overlap reorder
+  t $(( $4 + 20 )) $B $S --name "$3_tp2_sp_pipeline" -- $M --sequence-parallel --tp-comm-overlap pipeline
+}
+
+stage_tpoverlap() {  # issue 15 on 2 GPUs, one call: the levers on GPT-2.7B (micro batch 8)
+  tp_overlap_levers GPT2_7B 8 gpt2_7b_s2048_mbs8_z1 130
+}
+
+stage_tpoverlapnosp() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2 without SP, compiled, without and with reorder
+  local S="--steps 8 --warmup-steps 3"
+  local M="--preset GPT2_7B --bf16 --micro-batch-size 8 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
+  ds_patches
+  t 130 $B $S --name gpt2_7b_s2048_mbs8_z1_tp2 -- $M
+  t 130 $B $S --name gpt2_7b_s2048_mbs8_z1_tp2_reorder -- $M --tp-comm-overlap reorder
+}
+
+stage_tpoverlap67() {  # as tpoverlap for GPT-6.7B (micro batch 4; the issue's TP=2 measurement: MFU 0.375, SP 0.391)
+  tp_overlap_levers GPT6_7B 4 gpt6_7b_s2048_mbs4_z1 170
+}
+
+stage_tpoverlaptests() {  # issue 15 on 2 GPUs: compiled TP=2 with --tp-comm-overlap reorder, TP=2+SP with pipeline,
+  # against their eager selves, dropout on and off (pytest -m gpu)
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_tpoverlap.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k "compile_overlap or compile_pipeline"
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }

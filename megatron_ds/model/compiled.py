@@ -60,14 +60,15 @@ def _fall_back(err: BaseException) -> None:
 
 
 class CompiledForward:
-    """``fn`` through torch.compile; ``fn`` itself once compiling has failed in this process."""
+    """``fn`` through torch.compile (with inductor ``options``); ``fn`` itself once compiling has failed in this
+    process."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, options: dict | None = None):
         self.eager = fn
         self.compiled = None
         if _failure is None:
             try:
-                self.compiled = torch.compile(fn)
+                self.compiled = torch.compile(fn, options=options)
             except Exception as err:  # noqa: BLE001 - e.g. a Python that this torch's dynamo does not support
                 _fall_back(err)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ds.parallel.overlap import MODES as OVERLAP_MODES
 from megatron_ds.torch_support import compile_problem
 
 
@@ -125,6 +126,7 @@ class GPTConfig:
     recompute_num_layers: int = 1
     checkpoint_activations: bool = False  # the older switch: = full, uniform
     torch_compile: bool = False  # each TransformerLayer's forward through torch.compile (fused element-wise work)
+    tp_comm_overlap: str | None = None  # "reorder" | "pipeline": compiled TP collectives overlap compute (overlap.py)
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
 
@@ -164,6 +166,13 @@ class GPTConfig:
               f"attention backend must be auto, flash2, sdpa or reference, got {self.attention_backend!r}")
         _need(self.params_dtype in (torch.float32, torch.bfloat16, torch.float16), None,
               f"params_dtype must be float32, bfloat16 or float16, got {self.params_dtype}")
+        _need(self.tp_comm_overlap in (None, *OVERLAP_MODES), "--tp-comm-overlap",
+              f"--tp-comm-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.tp_comm_overlap!r}")
+        _need(self.tp_comm_overlap is None or self.torch_compile, "--tp-comm-overlap",
+              "--tp-comm-overlap is scheduled by torch.compile: it needs the compiled layers")
+        _need(self.tp_comm_overlap != "pipeline" or self.sequence_parallel, "--tp-comm-overlap",
+              "--tp-comm-overlap pipeline splits the sequence-parallel all-gathers and reduce-scatters: it needs "
+              "--sequence-parallel")
 
     @property
     def tied_embeddings(self) -> bool:

@@ -51,10 +51,11 @@ from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulys
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.compiled import CompiledForward
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from megatron_ds.parallel.layers import (ColumnParallelLinear, LocalGEMM, RowParallelLinear, VocabParallelEmbedding,
                                          seeded_normal, sequence_parallel_dropout, tp_replicated)
 from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
                                            reduce_scatter_sequence, tp_rank, tp_size)
+from megatron_ds.parallel.overlap import inductor_options, prepare_group
 from megatron_ds.parallel.random import tp_rank_rng
 
 
@@ -222,8 +223,14 @@ class TransformerLayer(nn.Module):
         self.post_attention_norm = Norm(config, group)
         self.mlp = MLP(config, layer_number, group)
         self.recompute = recompute_mode(config, layer_number - 1)
+        if config.tp_comm_overlap == "pipeline":  # asynchronous TP fuses an all-gather with a bias-free GEMM only
+            for linear in self.modules():
+                if isinstance(linear, ColumnParallelLinear) and isinstance(linear.local, LocalGEMM):
+                    linear.local.bias_apart = True
         if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
-            self._forward = CompiledForward(self._forward)  # eager again, with one warning, if compiling fails
+            prepare_group(config.tp_comm_overlap, group)
+            # eager again, with one warning, if compiling fails
+            self._forward = CompiledForward(self._forward, inductor_options(config.tp_comm_overlap))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

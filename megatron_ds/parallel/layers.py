@@ -104,13 +104,23 @@ def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, group) 
 class LocalGEMM(nn.Linear):
     """This rank's matrix multiply y = x W^T (+ b): an ``nn.Linear`` over a given weight slice, so an
     FP8 engine that replaces ``nn.Linear`` modules can replace it (the parameter objects, with their
-    TP attributes, move to the replacement). Built without ``nn.Linear``'s random initialisation."""
+    TP attributes, move to the replacement). Built without ``nn.Linear``'s random initialisation.
+
+    ``bias_apart``: add the bias after the GEMM instead of inside it (addmm), for torch's asynchronous TP,
+    which fuses an all-gather with a plain GEMM only (parallel/overlap.py)."""
+
+    bias_apart = False
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
         nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.register_parameter("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias_apart and self.bias is not None:
+            return F.linear(x, self.weight) + self.bias
+        return super().forward(x)
 
 
 def _rename_legacy_keys(names: Sequence[str]):

@@ -42,6 +42,7 @@ def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfi
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         rotary_percent=args.rotary_percent, torch_compile=args.torch_compile,
+        tp_comm_overlap=getattr(args, "tp_comm_overlap", None),  # None in checkpoints' args from before the flag
         params_dtype=precision.params_dtype, seed=args.seed,
     )
 

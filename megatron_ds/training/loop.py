@@ -217,10 +217,11 @@ class Trainer:
         self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
+        overlap = f" (TP comm overlap: {args.tp_comm_overlap})" if args.tp_comm_overlap else ""
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
              f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
              f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
-             f"torch.compile {'on' if args.torch_compile else 'off'}, device {self.device.type}")
+             f"torch.compile {'on' if args.torch_compile else 'off'}{overlap}, device {self.device.type}")
         _log(f"mds train: {self.config.num_layers} layers, hidden {self.config.hidden_size}, "
              f"{self.config.num_attention_heads} heads ({self.config.num_key_value_heads} kv), seq "
              f"{self.config.seq_length}, vocab {self.tokenizer.vocab_size} padded to {self.padded_vocab}, "

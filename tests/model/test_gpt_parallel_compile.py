@@ -7,12 +7,16 @@ differentiates them wrongly (pytorch#180642; bench/compile_tp_probe.py --cpu sho
 Dropout off: compiled dropout draws other masks. Tolerance: rel 1e-4 of each tensor's largest value (fused
 kernels round differently; fp32).
 On CUDA the same comparison is tests/gpu (tp2_compile*) and bench/compile_tp_probe.py.
+--tp-comm-overlap reorder (parallel/overlap.py) is checked here as well: the same sums, and a generated schedule in
+which collectives really have compute between their issue and their wait (none without it).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import unittest.mock
 
 import pytest
 import torch
@@ -70,3 +74,110 @@ def test_compiled_tp2_equals_eager_tp2(monkeypatch):
             assert compiled["grads"].keys() == eager["grads"].keys()
             for name, grad in eager["grads"].items():
                 close(compiled["grads"][name], grad, f"{case} rank {r} grad of {name}")
+
+
+_COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce_?)\.default\(")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\(")
+_COMPUTE = re.compile(r"extern_kernels\.\w+\(|\b(cpp|triton)_\w+\(|\.run\(")
+
+
+def _buffer(call_args: str) -> str:
+    return re.match(r"\s*(?:reinterpret_tensor\()?(\w+)", call_args).group(1)
+
+
+def overlapped_collectives(code: str) -> int:
+    """Collectives in inductor's generated code with a kernel launched between their issue and their wait."""
+    pending: dict[str, bool] = {}
+    hidden = 0
+    for line in (s.strip() for s in code.splitlines()):
+        if line.startswith("#"):
+            continue
+        if _COLLECTIVE.search(line):
+            target, _, call = line.partition("torch.ops")
+            name = target.split("=")[0].strip() if "=" in target else _buffer(call.split(".default(", 1)[1])
+            pending[name] = False
+        elif _WAIT.search(line):
+            hidden += pending.pop(_buffer(line.split(".default(", 1)[1]), False)
+        elif _COMPUTE.search(line):
+            pending = dict.fromkeys(pending, True)
+    return hidden
+
+
+def overlap_worker(cases: list[str]) -> dict:
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor.utils import run_and_get_code
+
+    st = state.get_state()
+    torch.set_num_threads(1)
+    results = {}
+    # generate the code every time (a cache hit would hand back a schedule without generating it)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for case in cases:
+            results[case] = {"eager": run_case(GPTConfig(**CASES[case]), st.tp_group)}
+            for mode in (None, "reorder"):
+                config = GPTConfig(**dict(CASES[case], torch_compile=True, tp_comm_overlap=mode))
+                result, codes = run_and_get_code(run_case, config, st.tp_group)
+                results[case][mode or "plain"] = dict(result, overlapped=sum(map(overlapped_collectives, codes)),
+                                                      kernels=len(codes))
+    return results
+
+
+def test_tp_comm_overlap_reorder_moves_the_waits_and_keeps_the_sums(monkeypatch):
+    if compile_problem() is not None:  # torch 2.1: --torch-compile (and so the overlap) is refused outright
+        return
+    monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
+    cases = ["gpt2", "gpt2_sp"]
+    results = run_on_ranks(overlap_worker, 2, cases, tp=2, timeout=900)
+    for r, result in enumerate(results):
+        for case in cases:
+            got = result[case]
+            plain, reorder = got["plain"], got["reorder"]
+            assert plain["kernels"] >= 2 and reorder["kernels"] >= 2, f"{case} rank {r}: no generated code captured"
+            assert plain["overlapped"] == 0, f"{case} rank {r}: inductor's default schedule waits at once: {plain}"
+            assert reorder["overlapped"] >= 1, f"{case} rank {r}: reorder left every wait at its collective"
+            close(reorder["loss"], got["eager"]["loss"], f"{case} rank {r} loss")
+            close(reorder["logits"], got["eager"]["logits"], f"{case} rank {r} logits")
+            for name, grad in got["eager"]["grads"].items():
+                close(reorder["grads"][name], grad, f"{case} rank {r} grad of {name}")
+
+
+def pipeline_worker(case: str) -> dict:
+    """The forward code inductor generates for ``case`` under --tp-comm-overlap pipeline, and how running it ended."""
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor.graph import GraphLowering
+    from torch.distributed import _symmetric_memory
+
+    st = state.get_state()
+    torch.set_num_threads(1)
+    # the rewrite's one CUDA gate (torch has NCCL); symmetric memory's test mode stands for the enabled group
+    torch.distributed.is_nccl_available = lambda: True
+    codes: list[str] = []
+    config = GPTConfig(**dict(CASES[case], torch_compile=True, tp_comm_overlap="pipeline"))
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False), \
+            _symmetric_memory._test_mode(), unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        try:
+            run_case(config, st.tp_group)
+            ended = "ran"
+        except Exception as err:  # noqa: BLE001 - expected: torch's fused symm_mem ops have no CPU kernels
+            ended = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    return {"fused": re.findall(r"torch\.ops\.symm_mem\.(\w+)\.default\(", "\n".join(codes)), "ended": ended}
+
+
+def test_tp_comm_overlap_pipeline_fuses_every_sequence_parallel_gather_and_scatter(monkeypatch):
+    """Torch's asynchronous TP rewrites a graph only where it finds its patterns (all-gather -> GEMM,
+    GEMM -> reduce-scatter) and otherwise says nothing but one log line, so the lever could silently be a no-op.
+    The rewrite is a graph pass: here, on CPU, the forward of the SP layer must come out with every gather and
+    scatter fused (two of each: QKV and FC1 gather, projection and FC2 scatter; the column-parallel GEMMs add
+    their bias apart for it, since the pass fuses no addmm). The fused ops themselves run on CUDA symmetric memory
+    only (tests/gpu runs them on 2 GPUs against eager)."""
+    if compile_problem() is not None:  # torch 2.1: --torch-compile (and so the overlap) is refused outright
+        return
+    monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
+    for r, got in enumerate(run_on_ranks(pipeline_worker, 2, "gpt2_sp", tp=2, timeout=900)):
+        fused = got["fused"]  # the forward's four, and what the backward's gradient gathers/scatters add
+        assert fused.count("fused_all_gather_matmul") >= 2 and fused.count("fused_matmul_reduce_scatter") >= 2, \
+            f"rank {r}: {got}"
+        assert got["ended"] != "ran" and "symm_mem" in got["ended"], f"rank {r}: {got['ended']}"

@@ -200,6 +200,44 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
           "compiles); drop --torch-compile")
 
 
+def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
+    """--tp-comm-overlap is a compiler schedule: TP > 1 and torch.compile, and pipeline also --sequence-parallel and
+    CUDA; each refusal names the flag. The bare flag becomes the mode that runs here; off by default."""
+    from megatron_ds.torch_support import compile_problem
+    from megatron_ds.training.arguments import rules
+
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    args = parse_args(base(files, *tp2), env={})
+    validate(args, 2)
+    assert args.tp_comm_overlap is None
+    check(files, ["--tp-comm-overlap", "--torch-compile"], 1, "--tp-comm-overlap",
+          "needs torch >= 2.5" if compile_problem() else "needs --tensor-model-parallel-size > 1")
+    if compile_problem():  # torch 2.1: --torch-compile itself is refused first
+        check(files, [*tp2, "--tp-comm-overlap", "--torch-compile"], 2, "--torch-compile", "needs torch >= 2.5")
+        return
+    check(files, [*tp2, "--tp-comm-overlap"], 2, "--tp-comm-overlap",
+          "scheduled by torch.compile, which is off here")  # this CPU machine: eager by default
+    check(files, [*tp2, "--tp-comm-overlap", "reorder", "--no-torch-compile"], 2, "--tp-comm-overlap",
+          "give --torch-compile or drop the flag")
+    check(files, [*tp2, "--tp-comm-overlap", "sideways"], 2, None, "invalid choice: 'sideways'")
+
+    def mode(*extra):
+        args = parse_args(base(files, *tp2, "--torch-compile", *extra), env={})
+        validate(args, 2)
+        return args.tp_comm_overlap
+
+    assert mode("--tp-comm-overlap") == "reorder"  # no CUDA here: the bare flag is reorder, with or without SP
+    assert mode("--tp-comm-overlap", "--sequence-parallel") == "reorder"
+    assert mode("--tp-comm-overlap", "reorder") == "reorder"
+    check(files, [*tp2, "--torch-compile", "--sequence-parallel", "--tp-comm-overlap", "pipeline"], 2,
+          "--tp-comm-overlap", "no CUDA GPU is visible here")
+    monkeypatch.setattr(rules, "cuda_gpu_visible", lambda: True)
+    assert mode("--tp-comm-overlap", "--sequence-parallel") == "pipeline"  # a GPU with SP: asynchronous TP
+    assert mode("--tp-comm-overlap") == "reorder"  # no SP: nothing to pipeline
+    check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "pipeline"], 2, "--tp-comm-overlap",
+          "it needs --sequence-parallel")
+
+
 def test_deepspeed_config_must_agree(files):
     def ds(config):
         path = files["dir"] / "ds.json"

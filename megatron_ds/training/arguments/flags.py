@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from megatron_ds.data.tokenizers import TOKENIZER_TYPES
+from megatron_ds.parallel.overlap import MODES as OVERLAP_MODES
 from megatron_ds.training.presets import PRESETS
 
 
@@ -28,7 +29,7 @@ NO_OP_SWITCHES = {
                              "fused bias-GeLU computes)",
     "--no-bias-dropout-fusion": "mds has no bias-dropout fusion kernel",
     "--no-gradient-accumulation-fusion": "mds has no gradient-accumulation fusion kernel",
-    "--no-async-tensor-model-parallel-allreduce": "mds does not overlap the TP all-reduce",
+    "--no-async-tensor-model-parallel-allreduce": "mds overlaps TP communication only with --tp-comm-overlap",
     "--no-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
     "--apply-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
     "--attention-softmax-in-fp32": "attention softmax always runs in fp32 or inside the flash kernel",
@@ -169,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--ds-sequence-parallel-size, Transformer Engine FP8, MS-AMP), where the explicit "
                         "flag is refused. A compile failure falls back to the eager layers with one warning. "
                         "--no-torch-compile: eager")
+    g.add_argument("--tp-comm-overlap", nargs="?", const="auto", choices=["auto", *OVERLAP_MODES],
+                   help="overlap tensor-parallel communication with compute in the compiled layers (needs TP > 1 "
+                        "and torch.compile). reorder: inductor issues each TP collective early and waits for it "
+                        "late, so backward's all-reduces, reduce-scatters and re-gathers run beside the "
+                        "weight-gradient GEMMs. pipeline (with --sequence-parallel, CUDA): also torch's "
+                        "asynchronous TP, which splits each all-gather -> GEMM and GEMM -> reduce-scatter into "
+                        "chunks over symmetric memory. The bare flag: pipeline where it can run, else reorder. "
+                        "Off by default")
 
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", default=None)

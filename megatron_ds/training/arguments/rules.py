@@ -47,6 +47,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _data_files(args)
     _tokenizer_inputs(args)
     _torch_compile(args, dims)
+    _tp_comm_overlap(args, dims)
     _environment(args)
     _hangs_and_restarts(args)
     args.world_size, args.data_parallel_size = world_size, dims.dp
@@ -473,6 +474,31 @@ def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
         args.torch_compile = True
     else:
         args.notices.append(f"note: torch.compile is off by default here: {why}")
+
+
+def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """--tp-comm-overlap is a schedule the compiler makes: it needs TP > 1 and the compiled layers; pipeline also
+    --sequence-parallel and CUDA (symmetric memory). The bare flag becomes the mode that runs here."""
+    from megatron_ds.parallel.overlap import resolve_mode
+
+    if args.tp_comm_overlap is None:
+        return
+    flag = "--tp-comm-overlap"
+    if dims.tp == 1:
+        raise ConfigError(flag, "needs --tensor-model-parallel-size > 1: there is no TP communication to overlap")
+    if not args.torch_compile:
+        raise ConfigError(flag, "the overlap is scheduled by torch.compile, which is off here (--no-torch-compile, "
+                          "or eager by default: CPU, ROCm, or a layout mds does not compile); give --torch-compile "
+                          "or drop the flag")
+    cuda = cuda_gpu_visible()
+    mode = resolve_mode(args.tp_comm_overlap, sequence_parallel=bool(args.sequence_parallel), cuda=cuda)
+    if mode == "pipeline" and not args.sequence_parallel:
+        raise ConfigError(flag, "pipeline splits the sequence-parallel all-gathers and reduce-scatters: it needs "
+                          "--sequence-parallel (reorder works without)")
+    if mode == "pipeline" and not cuda:
+        raise ConfigError(flag, "pipeline exchanges its chunks through CUDA symmetric memory and no CUDA GPU is "
+                          "visible here (reorder runs wherever the layers compile)")
+    args.tp_comm_overlap = mode
 
 
 def pad_vocab_size(orig: int, divisible_by: int, tp: int) -> int:

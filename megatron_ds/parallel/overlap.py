@@ -1,0 +1,64 @@
+"""Tensor-parallel communication overlapped with compute by the compiler (``--tp-comm-overlap``).
+
+Eager layers issue each TP collective where the math needs it and wait for it at once. In a compiled layer the
+collectives are graph nodes (torch's functional ones, see mappings.py), so inductor may move them; two levers:
+
+- ``reorder``: inductor's compute/communication reordering issues each collective as early as its input allows
+  and waits as late as its first consumer allows (within the peak memory of the plain schedule). In backward
+  the gradient all-reduces / reduce-scatters and the re-gathers of sequence shards then run beside the
+  independent weight-gradient GEMMs: what Megatron's asynchronous TP all-reduce does by hand.
+- ``pipeline`` (with ``--sequence-parallel``, on CUDA): torch's asynchronous TP as well. Each all-gather ->
+  GEMM and GEMM -> reduce-scatter pair becomes one fused op that works through the ranks' chunks over symmetric
+  memory, so the forward's sequence gathers overlap their own GEMM (nothing else in the forward is independent
+  of them). Inductor keeps the plain overlap where ``reorder`` already hides a collective.
+
+Both change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
+"""
+
+from __future__ import annotations
+
+MODES = ("reorder", "pipeline")
+
+# Torch's recommended pass list (torch/_inductor/config.py), where this torch has those passes; the older trio
+# otherwise. Each pass name is a function in torch._inductor.comms.
+_PASSES = (["reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory"],
+           ["sink_waits", "raise_comms", "reorder_compute_for_overlap"])
+
+
+def resolve_mode(asked: str | None, *, sequence_parallel: bool, cuda: bool) -> str | None:
+    """The mode that runs: ``auto`` (the bare flag) is ``pipeline`` where it can run, ``reorder`` elsewhere."""
+    if asked == "auto":
+        return "pipeline" if sequence_parallel and cuda else "reorder"
+    return asked
+
+
+def inductor_options(mode: str | None) -> dict | None:
+    """torch.compile options for the transformer layers under ``mode`` (None: inductor's defaults)."""
+    if mode is None:
+        return None
+    if mode not in MODES:
+        raise ValueError(f"TP overlap mode must be one of {MODES}, got {mode!r}")
+    from torch._inductor import comms
+
+    passes = next((p for p in _PASSES if all(hasattr(comms, name) for name in p)), None)
+    if passes is None:
+        raise RuntimeError("this torch's inductor has none of the compute/communication reordering passes mds uses")
+    options = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": passes}
+    if mode == "pipeline":
+        options["_micro_pipeline_tp"] = True
+    return options
+
+
+def prepare_group(mode: str | None, group) -> None:
+    """Give the TP group symmetric memory, which ``pipeline``'s fused ops exchange their chunks through (newer
+    torch calls this unnecessary, yet its asynchronous-TP pass still checks for it)."""
+    if mode != "pipeline" or group is None:
+        return
+    import warnings
+
+    from torch.distributed import _symmetric_memory
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _symmetric_memory.enable_symm_mem_for_group(group.group_name)
