@@ -19,7 +19,9 @@ The fake process group of some torch versions leaves all-gather outputs unwritte
 
 Usage, from the repo root:  python bench/compile_tp_probe.py          # CUDA, bf16 (about 2-4 min on an H100)
                             python bench/compile_tp_probe.py --cpu    # CPU, fp32, a smaller model (checks the script)
-Options: --cases fake,gloo  --kinds inplace,functional  --layers N --hidden N --seq N --dropout P --timeout S.
+Options: --cases fake,gloo  --kinds inplace,functional  --layers N --hidden N --seq N --dropout P --timeout S
+         --tp-comm-overlap reorder|pipeline (the compiled layers with that schedule; gloo on one GPU shows whether
+         it computes the eager gradients with real communication before two GPUs are at hand).
 Prints a table; writes $OUT/compile_tp_probe.json (or ./compile_tp_probe.json without $OUT).
 """
 
@@ -47,6 +49,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (compiled masks differ)")
+    p.add_argument("--tp-comm-overlap", choices=["reorder", "pipeline"],
+                   help="compile with this --tp-comm-overlap mode (pipeline: the SP case only; the other gets reorder)")
     p.add_argument("--timeout", type=float, default=270.0, help="seconds for all of it (the pairs run at once)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: pg,kind,rank,port,result path
     args = p.parse_args(argv)
@@ -120,13 +124,15 @@ def worker(args: argparse.Namespace) -> None:
             torch._dynamo.reset()
             counters.clear()
             start = time.perf_counter()
-            compiled = one_step(torch, GPTConfig(**base, torch_compile=True), dist.group.WORLD, device, tokens,
-                                labels)
+            overlap = "reorder" if args.tp_comm_overlap == "pipeline" and not sp else args.tp_comm_overlap
+            compiled = one_step(torch, GPTConfig(**base, torch_compile=True, tp_comm_overlap=overlap),
+                                dist.group.WORLD, device, tokens, labels)
             out["cases"][name] = {
                 "eager_loss": eager["loss"], "compiled_loss": compiled["loss"],
                 "eager_grad_norm": eager["grad_norm"], "compiled_grad_norm": compiled["grad_norm"],
                 "eager_repeat_max_rel": compare(again, eager), "compiled_max_rel": compare(compiled, eager),
-                "graphs": counters["stats"]["unique_graphs"], "compile_failure": compile_failure(),
+                "tp_comm_overlap": overlap, "graphs": counters["stats"]["unique_graphs"],
+                "compile_failure": compile_failure(),
                 "first_call_s": first_call_seconds(), "step_s": time.perf_counter() - start}
         except Exception as err:  # noqa: BLE001 - one case's failure is a result, not the end of the probe
             out["cases"][name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
@@ -195,7 +201,8 @@ def main(argv=None) -> int:
     os.makedirs(outdir, exist_ok=True)
     rows, started = [], time.time()
     print(f"compile_tp_probe: {'CPU fp32' if args.cpu else 'CUDA bf16'}, {args.layers} layers, hidden {args.hidden}, "
-          f"seq {args.seq}, batch {args.batch}, dropout {args.dropout}", flush=True)
+          f"seq {args.seq}, batch {args.batch}, dropout {args.dropout}, --tp-comm-overlap {args.tp_comm_overlap}",
+          flush=True)
     # every pair at once: compiling is CPU work, and the GPU work is small
     handles = [start(args, pg, kind, outdir) for pg in args.cases.split(",") for kind in args.kinds.split(",")]
     deadline = time.monotonic() + args.timeout
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
         print(f"{r['pg']:5} {r['kind']:11} {r['rank']:<4} {r['case']:7} {r['eager_grad_norm']:10.4f} "
               f"{r['compiled_grad_norm']:12.4f} {r['compiled_max_rel']:8.1e} "
               f"{r['eager_loss']:8.4f}/{r['compiled_loss']:8.4f} {r['verdict']}")
-    path = os.path.join(outdir, "compile_tp_probe.json")
+    path = os.path.join(outdir, f"compile_tp_probe{'_' + args.tp_comm_overlap if args.tp_comm_overlap else ''}.json")
     with open(path, "w") as f:
         json.dump({"argv": sys.argv[1:], "seconds": time.time() - started, "rows": rows}, f, indent=1)
     print(f"wrote {path} ({time.time() - started:.0f} s)")
