@@ -453,6 +453,15 @@ stage_tpoverlap67() {  # as tpoverlap for GPT-6.7B (micro batch 4; the issue's T
   tp_overlap_levers GPT6_7B 4 gpt6_7b_s2048_mbs4_z1 170
 }
 
+stage_profiledefault() {  # issues 14/15, one GPU, one call: where the GPT-1.3B step of the default flags goes, by
+  # kernel kind (GEMM, attention, fused element-wise, optimizer, copies) and idle, with and without dropout
+  local P="$PYTHON bench/profile_train.py --steps 10"
+  ds_patches
+  t 200 $P --variant compile --out "$LOGS/profile_default_s8.txt" -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  t 200 $P --variant compile+nodrop --out "$LOGS/profile_nodrop_s8.txt" -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  cp "$LOGS"/profile_*_s8.* "$OUT"/ 2>/dev/null
+}
+
 stage_tpoverlaptests() {  # issue 15 on 2 GPUs: compiled TP=2 with --tp-comm-overlap reorder, TP=2+SP with pipeline,
   # against their eager selves, dropout on and off (pytest -m gpu)
   ds_patches

@@ -28,6 +28,35 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+# Kernel name -> what it does, first match wins (cuDNN's attention kernels also carry "sm90": attention first).
+KERNEL_KINDS = (("attention", ("sdpa", "flash", "fmha", "attention")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+                ("optimizer", ("multi_tensor_apply", "adam", "_foreach", "lamb")),
+                ("communication", ("nccl",)),
+                ("fused elementwise (inductor)", ("triton_",)),
+                ("copies and fills", ("copy", "memcpy", "memset", "fill", "cat")))
+
+
+def kernel_time_by_kind(prof, steps: int) -> dict:
+    """GPU kernel time per step by kind, and the profiled wall time per step: what the step spends, idle included."""
+    from torch.autograd import DeviceType
+
+    kinds: dict[str, float] = {}
+    first, last = float("inf"), 0.0
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+        span = event.time_range
+        kinds[kind] = kinds.get(kind, 0.0) + (span.end - span.start) / 1e3  # us -> ms
+        first, last = min(first, span.start), max(last, span.end)
+    per_step = {k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
+    busy = sum(kinds.values()) / steps
+    return {"kernel_ms_per_step": per_step, "kernels_total_ms_per_step": round(busy, 1),
+            "first_to_last_kernel_ms_per_step": round((last - first) / 1e3 / steps, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
@@ -151,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
         except (AttributeError, KeyError, ValueError):
             table = prof.key_averages().table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)
+        summary["by_kind"] = kernel_time_by_kind(prof, 2)
+        print("[profile] by kind " + json.dumps(summary["by_kind"]), flush=True)
         if args.out:
             args.out.write_text(f"{json.dumps(summary)}\n\n{table}\n")
         kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
