@@ -462,6 +462,16 @@ stage_profiledefault() {  # issues 14/15, one GPU, one call: where the GPT-1.3B 
   cp "$LOGS"/profile_*_s8.* "$OUT"/ 2>/dev/null
 }
 
+stage_inductorlevers() {  # issue 15, one GPU, one call: inductor's own tuning switches on the default-flags step
+  # (GPT-1.3B, micro batch 16, dropout 0.1, compiled), whose fused element-wise kernels take 77 of its 556 ms
+  local P="$PYTHON bench/profile_train.py --no-profile --steps 10 --variant compile"
+  ds_patches
+  for lever in NONE TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE TORCHINDUCTOR_MULTI_KERNEL TORCHINDUCTOR_BENCHMARK_FUSION; do
+    ( export "$lever=1"; t 170 $P --out "$LOGS/inductor_lever_$lever.txt" -- $GPT13 --micro-batch-size 16 --zero-stage 1 )
+  done
+  cp "$LOGS"/inductor_lever_*.json "$OUT"/ 2>/dev/null
+}
+
 stage_tpoverlaptests() {  # issue 15 on 2 GPUs: compiled TP=2 with --tp-comm-overlap reorder, TP=2+SP with pipeline,
   # against their eager selves, dropout on and off (pytest -m gpu)
   ds_patches
