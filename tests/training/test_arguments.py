@@ -210,13 +210,13 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     args = parse_args(base(files, *tp2), env={})
     validate(args, 2)
     assert args.tp_comm_overlap is None
-    check(files, ["--tp-comm-overlap", "--torch-compile"], 1, "--tp-comm-overlap",
-          "needs torch >= 2.5" if compile_problem() else "needs --tensor-model-parallel-size > 1")
+    check(files, [*tp2, "--tp-comm-overlap"], 2, "--tp-comm-overlap",
+          "scheduled by torch.compile, which is off here")  # this CPU machine: eager by default
     if compile_problem():  # torch 2.1: --torch-compile itself is refused first
         check(files, [*tp2, "--tp-comm-overlap", "--torch-compile"], 2, "--torch-compile", "needs torch >= 2.5")
         return
-    check(files, [*tp2, "--tp-comm-overlap"], 2, "--tp-comm-overlap",
-          "scheduled by torch.compile, which is off here")  # this CPU machine: eager by default
+    check(files, ["--tp-comm-overlap", "--torch-compile"], 1, "--tp-comm-overlap",
+          "needs --tensor-model-parallel-size > 1")
     check(files, [*tp2, "--tp-comm-overlap", "reorder", "--no-torch-compile"], 2, "--tp-comm-overlap",
           "give --torch-compile or drop the flag")
     check(files, [*tp2, "--tp-comm-overlap", "sideways"], 2, None, "invalid choice: 'sideways'")
