@@ -156,8 +156,10 @@ def pipeline_worker(case: str) -> dict:
     torch.distributed.is_nccl_available = lambda: True
     codes: list[str] = []
     config = GPTConfig(**dict(CASES[case], torch_compile=True, tp_comm_overlap="pipeline"))
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False), \
-            _symmetric_memory._test_mode(), unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append):
+    no_caches = (torch._inductor.config.patch(fx_graph_cache=False),
+                 torch._functorch.config.patch(enable_autograd_cache=False))
+    with no_caches[0], no_caches[1], _symmetric_memory._test_mode(), \
+            unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append):
         try:
             run_case(config, st.tp_group)
             ended = "ran"

@@ -42,7 +42,8 @@ def test_a_slowed_rank_is_named_in_the_metrics_and_the_console(tmp_path, demo_co
 def test_a_run_without_slowing_names_nobody(tmp_path, demo_corpus):
     """Two identical CPU ranks on the 2-CPU CI machine can differ by more than the default 1.5x in an interval
     (the scheduler, the other process's threads: seen once in a clean-clone run), and the detector rightly names
-    that rank; so this run allows 4x, which scheduling noise here does not reach (the slowed rank above sleeps 0.5 s a step)."""
+    that rank; so this run allows 4x, which scheduling noise here does not reach (the slowed rank above sleeps
+    0.5 s a step)."""
     result, records = _train(tmp_path, demo_corpus, None, "--straggler-factor", "4")
     assert [r["iteration"] for r in records] == [4, 8, 12]
     for r in records:
