@@ -172,15 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_profile:
         from torch.profiler import ProfilerActivity, profile
 
+        profiled_steps = 2
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(2):
+            for i in range(profiled_steps):
                 step(i)
             torch.cuda.synchronize()
         try:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
         except (AttributeError, KeyError, ValueError):
             table = prof.key_averages().table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)
-        summary["by_kind"] = kernel_time_by_kind(prof, 2)
+        summary["by_kind"] = kernel_time_by_kind(prof, profiled_steps)
         print("[profile] by kind " + json.dumps(summary["by_kind"]), flush=True)
         if args.out:
             args.out.write_text(f"{json.dumps(summary)}\n\n{table}\n")

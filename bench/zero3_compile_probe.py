@@ -3,10 +3,11 @@
 variant (each in its own process), and every parameter's gradient norm side by side (DeepSpeed's
 safe_get_full_grad, read before any step); the first variant is the baseline.
 
-A variant is [cpu_]BACKEND[+MODIFIER...] (cpu_: gloo on the CPU; hide any GPU with CUDA_VISIBLE_DEVICES=): BACKEND eager (no compile), inductor, aot_eager (AOTAutograd without
-inductor) or dynamo_eager (dynamo alone); modifiers: +dslinear (ZeRO-3's own linear autograd Function, DeepSpeed's
-default memory_efficient_linear, which mds turns off when compiling), +persistent (no parameter released between
-forward and backward), +eager_gemm (every linear's GEMM outside the compiled graphs). Session 7 found it with
+A variant is [cpu_]BACKEND[+MODIFIER...] (cpu_: gloo on the CPU; hide any GPU with CUDA_VISIBLE_DEVICES=):
+BACKEND eager (no compile), inductor, aot_eager (AOTAutograd without inductor) or dynamo_eager (dynamo alone);
+modifiers: +dslinear (ZeRO-3's own linear autograd Function, DeepSpeed's default memory_efficient_linear, which mds
+turns off when compiling), +persistent (no parameter released between forward and backward), +eager_gemm (every
+linear's GEMM outside the compiled graphs). Session 7 found it with
 these: dynamo alone loses the gradients too, persistent parameters do not help, GEMMs outside the graph do; the
 cause is dynamo tracing LinearFunctionForZeroStage3 (torch 2.11, CUDA; the CPU with torch 2.13 is right).
 
