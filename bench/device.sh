@@ -490,6 +490,25 @@ stage_tpoverlaptests() {  # issue 15 on 2 GPUs: compiled TP=2 with --tp-comm-ove
     -p no:cacheprovider -k "compile_overlap or compile_pipeline"
 }
 
+stage_elementwise() {  # issue 15, one GPU, one call: the default-flags step (GPT-1.3B, micro batch 16, dropout 0.1)
+  # under inductor's random-number choices, the clipping factor folded into fused AdamW (patch 0003 now) against
+  # the previous patch 0003 (.whl/old0003.patch, when carried), and the element-wise pieces alone
+  local P="$PYTHON bench/profile_train.py --no-profile --steps 10 --variant compile"
+  ds_patches
+  t 150 $PYTHON bench/probe_elementwise.py --out "$OUT/probe_elementwise_h200.json"
+  t 120 $P --out "$LOGS/random_inductor.txt" -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  MDS_INDUCTOR_OPTIONS='{"fallback_random": true}' t 120 $P --out "$LOGS/random_fallback.txt" -- $GPT13 \
+    --micro-batch-size 16 --zero-stage 1
+  if [ -f .whl/old0003.patch ]; then
+    local site
+    site=$($PYTHON -c "import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))")
+    GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply --reverse "$PWD/patches/deepspeed/0003-zero-bf16-step-on-device.patch" \
+      && GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply "$PWD/.whl/old0003.patch" \
+      && t 120 $P --out "$LOGS/random_inductor_old0003.txt" -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  fi
+  cp "$LOGS"/random_*.json "$OUT"/ 2>/dev/null
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }

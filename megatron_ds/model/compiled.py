@@ -14,6 +14,8 @@ its failure is caught here too, and the first call's wall time is the whole star
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 import time
 
@@ -31,6 +33,21 @@ def compile_failure() -> str | None:
 def first_call_seconds() -> float | None:
     """Wall time of the first compiled layer call (the compile time, plus one layer's work), or None."""
     return _first_call
+
+
+def extra_inductor_options() -> dict:
+    """Inductor config from MDS_INDUCTOR_OPTIONS (a JSON object): for trying inductor's switches that have no
+    TORCHINDUCTOR_ environment variable, e.g. '{"fallback_random": true}'."""
+    text = os.environ.get("MDS_INDUCTOR_OPTIONS", "").strip()
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"MDS_INDUCTOR_OPTIONS is not JSON ({err}): {text!r}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"MDS_INDUCTOR_OPTIONS must be a JSON object of inductor config names, got {text!r}")
+    return options
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -66,6 +83,7 @@ class CompiledForward:
     def __init__(self, fn, options: dict | None = None):
         self.eager = fn
         self.compiled = None
+        options = {**(options or {}), **extra_inductor_options()} or None
         if _failure is None:
             try:
                 self.compiled = torch.compile(fn, options=options)

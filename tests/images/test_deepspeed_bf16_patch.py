@@ -1,10 +1,11 @@
 """patches/deepspeed/0002 and 0003: bf16 optimizer steps without host reads of the gradient norm.
 
 The patched step must be the same step: a real DeepSpeed bf16 engine (one gloo process, torch's fused
-AdamW, clipping active) gives bit-identical weights with and without the patches, for each optimizer
-DeepSpeed picks for bf16 (BF16_Optimizer with fp32 gradient accumulation; DeepSpeedZeroOptimizer at
-ZeRO-1 and ZeRO-2, what mds runs), and a step whose gradient is not finite moves nothing, reports the norm
-as inf and leaves AdamW's step count alone.
+AdamW, clipping active) gives the same weights with and without the patches, for each optimizer DeepSpeed
+picks for bf16 (BF16_Optimizer with fp32 gradient accumulation: bit-identical; DeepSpeedZeroOptimizer at
+ZeRO-1 and ZeRO-2, what mds runs: to fp32 rounding, because the fused kernel divides by the clipping factor
+where DeepSpeed multiplies by its reciprocal), and a step whose gradient is not finite moves nothing,
+reports the norm as inf and leaves AdamW's step count alone.
 The test venvs run the patched DeepSpeed, as the images do (`make setup`); the unpatched and the patched copies
 compared here are made in temporary folders from the installed one (our patches reversed, then applied again).
 """
@@ -112,7 +113,10 @@ def test_patched_bf16_step_is_the_same_step_without_host_reads(plain_site, patch
     assert plain["optimizer"] == patched["optimizer"] == optimizer
     assert plain["device_path"] is False and patched["device_path"] is True
     for i, (a, b) in enumerate(zip(plain["steps"], patched["steps"])):
-        assert a["weights"] == b["weights"], f"step {i}: weights differ"
+        if optimizer == "BF16_Optimizer":
+            assert a["weights"] == b["weights"], f"step {i}: weights differ"
+        else:  # x / c in the fused kernel against x * (1 / c): a last-bit difference, not a different step
+            assert b["weights"] == pytest.approx(a["weights"], rel=1e-5, abs=1e-7), f"step {i}: weights differ"
         assert a["adam_step"] == b["adam_step"], f"step {i}: AdamW step count differs"
         assert a["norm"] == pytest.approx(b["norm"], rel=1e-6) or a["norm"] == b["norm"]
     # clipping was active (norm above 0.05), so the clipped path is the one compared
