@@ -509,6 +509,20 @@ stage_elementwise() {  # issue 15, one GPU, one call: the default-flags step (GP
   cp "$LOGS"/random_*.json "$OUT"/ 2>/dev/null
 }
 
+stage_fallbackrandom() {  # issue 15, one GPU, one call: inductor's own dropout random numbers against ATen's dropout
+  # kernel (fallback_random) on the default-flags GPT-1.3B step, alternated twice, then each profiled by kernel kind
+  local P="$PYTHON bench/profile_train.py --steps 10 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
+  local F='{"fallback_random": true}'
+  ds_patches
+  for round in 1 2; do
+    t 120 $P --no-profile --out "$LOGS/rng_inductor_$round.txt" $A
+    MDS_INDUCTOR_OPTIONS="$F" t 120 $P --no-profile --out "$LOGS/rng_fallback_$round.txt" $A
+  done
+  t 150 $P --out "$LOGS/rng_inductor_profile.txt" $A
+  MDS_INDUCTOR_OPTIONS="$F" t 150 $P --out "$LOGS/rng_fallback_profile.txt" $A
+  cp "$LOGS"/rng_*.json "$LOGS"/rng_*profile.txt "$OUT"/ 2>/dev/null
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
