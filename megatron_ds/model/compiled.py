@@ -35,6 +35,13 @@ def first_call_seconds() -> float | None:
     return _first_call
 
 
+# Dropout through ATen's kernel instead of inductor's in-kernel Philox: inductor draws one random number per element
+# inside its fused residual/LayerNorm kernels, ATen's dropout kernel four per draw. On the default-flags GPT-1.3B step
+# (one H200) ATen's is 0.9% faster (bench/RESULTS.md, session 9), and the compiled layers then draw exactly the
+# masks of the eager layers.
+LAYER_OPTIONS = {"fallback_random": True}
+
+
 def extra_inductor_options() -> dict:
     """Inductor config from MDS_INDUCTOR_OPTIONS (a JSON object): for trying inductor's switches that have no
     TORCHINDUCTOR_ environment variable, e.g. '{"fallback_random": true}'."""
@@ -77,13 +84,13 @@ def _fall_back(err: BaseException) -> None:
 
 
 class CompiledForward:
-    """``fn`` through torch.compile (with inductor ``options``); ``fn`` itself once compiling has failed in this
-    process."""
+    """``fn`` through torch.compile (with LAYER_OPTIONS, then inductor ``options``, then MDS_INDUCTOR_OPTIONS);
+    ``fn`` itself once compiling has failed in this process."""
 
     def __init__(self, fn, options: dict | None = None):
         self.eager = fn
         self.compiled = None
-        options = {**(options or {}), **extra_inductor_options()} or None
+        options = {**LAYER_OPTIONS, **(options or {}), **extra_inductor_options()}
         if _failure is None:
             try:
                 self.compiled = torch.compile(fn, options=options)

@@ -179,6 +179,32 @@ def test_torch_compile_gives_the_eager_model(monkeypatch):
         GPTConfig(**dict(LLAMA, torch_compile=True)).validate(2)
 
 
+def test_compiled_layers_draw_the_eager_dropout_masks(monkeypatch):
+    """The layers compile with ATen's dropout (compiled.LAYER_OPTIONS): with dropout on, the compiled model
+    gives the eager loss and gradients for the same seed; inductor's own random numbers would not."""
+    from megatron_ds.torch_support import compile_problem
+
+    dropout = dict(LLAMA, hidden_dropout=0.1, attention_dropout=0.1)
+    if compile_problem():  # torch 2.1: refused up front, with dropout too
+        with pytest.raises(ModelConfigError, match=r"--torch-compile needs torch >= 2.5"):
+            GPTConfig(**dict(dropout, torch_compile=True))
+        return
+    import torch._dynamo
+
+    eager = GPTConfig(**dropout)
+    reference = loss_and_grads(GPTModel(eager), eager)
+    compiled = GPTConfig(**dict(dropout, torch_compile=True))
+    torch._dynamo.reset()
+    assert_same_run(loss_and_grads(GPTModel(compiled), compiled), reference, "compiled with dropout", rel=1e-4)
+    monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", '{"fallback_random": false}')  # inductor's own random numbers
+    torch._dynamo.reset()
+    own = loss_and_grads(GPTModel(compiled), compiled)
+    assert (own[0] - reference[0]).abs().max() > 1e-3, "inductor's own dropout drew the eager masks"
+    monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", "fallback_random")
+    with pytest.raises(ValueError, match="MDS_INDUCTOR_OPTIONS is not JSON"):
+        GPTModel(compiled)
+
+
 @pytest.mark.parametrize("style", STYLES)
 def test_pipeline_pieces_compose_to_gpt_model(style):
     config = GPTConfig(**STYLES[style])
