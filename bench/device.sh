@@ -523,6 +523,25 @@ stage_fallbackrandom() {  # issue 15, one GPU, one call: inductor's own dropout 
   cp "$LOGS"/rng_*.json "$LOGS"/rng_*profile.txt "$OUT"/ 2>/dev/null
 }
 
+stage_defaults9() {  # issue 15, one call: GPT-1.3B default flags, the compiled plain-PyTorch reference, global batch
+  # 128 without dropout (session 9: ATen's dropout in the compiled layers, the clipping factor inside fused AdamW)
+  ds_patches
+  if [ -f .whl/reference_gpt.py ]; then
+    OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_defaults9.json" 2>/dev/null
+  fi
+  t 150 $B --steps 20 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_default_flags_s9 -- $GPT13 \
+    --micro-batch-size 16 --zero-stage 1
+  t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_s9 -- $GPT13 \
+    --micro-batch-size 16 --zero-stage 1 --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
+}
+
+stage_gpucompile1() {  # the one-GPU --torch-compile test against eager, dropout on and off
+  MDS_GPU_REPORT="$LOGS/gpu_tests_compile1.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "compile_matches_eager and 1gpu"
+  cp "$LOGS/gpu_tests_compile1.json" "$OUT"/ 2>/dev/null
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
