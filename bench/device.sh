@@ -542,6 +542,16 @@ stage_gpucompile1() {  # the one-GPU --torch-compile test against eager, dropout
   cp "$LOGS/gpu_tests_compile1.json" "$OUT"/ 2>/dev/null
 }
 
+stage_gemmautotune() {  # issue 15, one GPU, one call: inductor's GEMM autotuning (Triton templates against cuBLAS,
+  # epilogues fused into them) on the default-flags GPT-1.3B step, both profiled by kernel kind
+  local P="$PYTHON bench/profile_train.py --steps 10 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
+  ds_patches
+  t 150 $P --out "$LOGS/gemm_aten.txt" $A
+  TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 t 420 $P --out "$LOGS/gemm_autotune.txt" $A
+  cp "$LOGS"/gemm_*.json "$OUT"/ 2>/dev/null
+  for f in "$LOGS"/gemm_*.txt; do head -c 60000 "$f" > "$OUT/$(basename "$f")"; done
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
