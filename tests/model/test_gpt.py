@@ -181,7 +181,8 @@ def test_torch_compile_gives_the_eager_model(monkeypatch):
 
 def test_compiled_layers_draw_the_eager_dropout_masks(monkeypatch):
     """The layers compile with ATen's dropout (compiled.LAYER_OPTIONS): with dropout on, the compiled model
-    gives the eager loss and gradients for the same seed; inductor's own random numbers would not."""
+    gives the eager loss and gradients for the same seed, also when activation checkpointing recomputes the
+    layers; inductor's own random numbers would not."""
     from megatron_ds.torch_support import compile_problem
 
     dropout = dict(LLAMA, hidden_dropout=0.1, attention_dropout=0.1)
@@ -193,9 +194,12 @@ def test_compiled_layers_draw_the_eager_dropout_masks(monkeypatch):
 
     eager = GPTConfig(**dropout)
     reference = loss_and_grads(GPTModel(eager), eager)
+    for extra in ({}, {"checkpoint_activations": True}):  # the recompute must replay the same masks
+        config = GPTConfig(**dict(dropout, torch_compile=True, **extra))
+        torch._dynamo.reset()
+        assert_same_run(loss_and_grads(GPTModel(config), config), reference, f"compiled with dropout {extra}",
+                        rel=1e-4)
     compiled = GPTConfig(**dict(dropout, torch_compile=True))
-    torch._dynamo.reset()
-    assert_same_run(loss_and_grads(GPTModel(compiled), compiled), reference, "compiled with dropout", rel=1e-4)
     monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", '{"fallback_random": false}')  # inductor's own random numbers
     torch._dynamo.reset()
     own = loss_and_grads(GPTModel(compiled), compiled)
