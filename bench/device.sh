@@ -552,11 +552,16 @@ stage_gemmautotune() {  # issue 15, one GPU, one call: inductor's GEMM autotunin
   for f in "$LOGS"/gemm_*.txt; do head -c 60000 "$f" > "$OUT/$(basename "$f")"; done
 }
 
+stage_fp8default9() {  # GPT-1.3B FP8 vs bf16 with the default flags (dropout 0.1), one call
+  ds_patches
+  t 420 $PYTHON bench/fp8_compare.py --steps 24 --warmup-steps 10 --name gpt1_3b_s2048_mbs16_z1_default_fp8_s9 \
+    -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  cp bench/results/gpt1_3b_s2048_mbs16_z1_default_fp8_s9*.json "$OUT"/ 2>/dev/null
+}
+
 stage_fp8drop9() {  # issues 14/15, one GPU, one call: GPT-1.3B FP8 vs bf16 with the default flags' dropout 0.1
   # (session 9: ATen's dropout inside the compiled FP8 layers), then the one-GPU GPU tests
-  ds_patches
-  t "${FP8_LIMIT:-420}" $PYTHON bench/fp8_compare.py --steps 24 --warmup-steps 10 --name gpt1_3b_s2048_mbs16_z1_default_fp8_s9 \
-    -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  stage_fp8default9
   MDS_GPU_REPORT="$LOGS/gpu_tests_1gpu_s9.json" t 300 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
     -k "zero0 or speed_paths or fp16 or metrics"
   cp bench/results/gpt1_3b_s2048_mbs16_z1_default_fp8_s9*.json "$LOGS/gpu_tests_1gpu_s9.json" "$OUT"/ 2>/dev/null
