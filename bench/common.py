@@ -105,3 +105,14 @@ def write_record(record: dict, out_dir: Path, name: str) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def print_rows(kind: str, rows: list[dict], out: Path | None) -> None:
+    """A probe's rows, one JSON line each, and (with ``out``) its record: the rows, where and how they were taken."""
+    import sys
+
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    if out:
+        write_record({"kind": kind, "environment": environment(), "rows": rows,
+                      "command": [sys.executable] + sys.argv}, out.parent, out.stem)

@@ -343,18 +343,22 @@ stage_fp8nodrop() {  # issue 14: FP8 vs bf16 with dropout 0 (the reference has n
     --zero-stage 1 --torch-compile $N
 }
 
-stage_defaults2() {  # issue 15, one call: GPT-1.3B default flags (compiled by default), the compiled plain-PyTorch
-  # reference, and global batch 128 without dropout, with the current patches/deepspeed
+defaults_vs_reference() {  # issue 15, one call: GPT-1.3B default flags (compiled by default), the compiled
+  # plain-PyTorch reference, and global batch 128 without dropout, with the current patches/deepspeed.
+  # $1: the call's label, $2: the suffix of the result names
   ds_patches
   if [ -f .whl/reference_gpt.py ]; then
     OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
-    cp "$LOGS/anchor.json" "$OUT/reference_gpt_defaults2.json" 2>/dev/null
+    cp "$LOGS/anchor.json" "$OUT/reference_gpt_$1.json" 2>/dev/null
   fi
-  t 150 $B --steps 20 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_default_flags_foreach_norm -- $GPT13 \
+  t 150 $B --steps 20 --warmup-steps 5 --name "gpt1_3b_s2048_mbs16_z1_default_flags_$2" -- $GPT13 \
     --micro-batch-size 16 --zero-stage 1
-  t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_foreach_norm -- $GPT13 \
+  t 240 $B --steps 8 --warmup-steps 3 --name "gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_$2" -- $GPT13 \
     --micro-batch-size 16 --zero-stage 1 --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
+  cp bench/results/gpt1_3b_s2048_mbs16_*_"$2".json "$OUT"/ 2>/dev/null
 }
+
+stage_defaults2() { defaults_vs_reference defaults2 foreach_norm; }
 
 stage_session6b() {  # one call, nothing beside it: the defaults (issue 15), then GPT-2.7B FP8 vs bf16 without dropout
   stage_defaults2
@@ -523,17 +527,8 @@ stage_fallbackrandom() {  # issue 15, one GPU, one call: inductor's own dropout 
   cp "$LOGS"/rng_*.json "$LOGS"/rng_*profile.txt "$OUT"/ 2>/dev/null
 }
 
-stage_defaults9() {  # issue 15, one call: GPT-1.3B default flags, the compiled plain-PyTorch reference, global batch
-  # 128 without dropout (session 9: ATen's dropout in the compiled layers, the clipping factor inside fused AdamW)
-  ds_patches
-  if [ -f .whl/reference_gpt.py ]; then
-    OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
-    cp "$LOGS/anchor.json" "$OUT/reference_gpt_defaults9.json" 2>/dev/null
-  fi
-  t 150 $B --steps 20 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_default_flags_s9 -- $GPT13 \
-    --micro-batch-size 16 --zero-stage 1
-  t 240 $B --steps 8 --warmup-steps 3 --name gpt1_3b_s2048_mbs16_gbs128_z1_compile_nodrop_s9 -- $GPT13 \
-    --micro-batch-size 16 --zero-stage 1 --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0
+stage_defaults9() {  # session 9: ATen's dropout in the compiled layers, the clipping factor inside fused AdamW
+  defaults_vs_reference defaults9 s9
 }
 
 stage_gpucompile1() {  # the one-GPU --torch-compile test against eager, dropout on and off

@@ -10,14 +10,13 @@ where this torch has it), next to a plain copy as the bandwidth yardstick. Print
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, write_record
+from bench.common import print_rows
 from bench.probe_kernels import bench_ms
 
 
@@ -83,24 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     copy_ms = bench_ms(lambda: a.clone())
     rows.append({"what": "copy [tokens, ffn] (bandwidth yardstick)", "ms": copy_ms,
                  "gb_per_s": 2 * a.numel() * 2 / copy_ms / 1e6})
-    for mode, options in random_modes().items():
-        for p_drop in (args.dropout, 0.0):
-            row = {"what": "x + dropout(y), layer_norm", "random": mode, "dropout": p_drop,
-                   **time_fwd_bwd(residual_dropout_norm(p_drop), (x, y, w, b), options)}
-            row["step_ms"] = row["fwd_bwd_ms"] * 2 * args.layers
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if p_drop == 0.0 and mode != "inductor":
-                rows.pop()  # no random numbers: the same kernels as the first mode's
+    cases = [(mode, options, args.dropout) for mode, options in random_modes().items()]
+    cases.append(("inductor", {}, 0.0))  # without dropout: what its random numbers cost
+    for mode, options, p_drop in cases:
+        row = {"what": "x + dropout(y), layer_norm", "random": mode, "dropout": p_drop,
+               **time_fwd_bwd(residual_dropout_norm(p_drop), (x, y, w, b), options)}
+        row["step_ms"] = row["fwd_bwd_ms"] * 2 * args.layers
+        rows.append(row)
     for approximate in ("none", "tanh"):
         row = {"what": f"gelu approximate={approximate}", **time_fwd_bwd(gelu(approximate), (a,), {})}
         row["step_ms"] = row["fwd_bwd_ms"] * args.layers
         rows.append(row)
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    if args.out:
-        write_record({"kind": "probe_elementwise", "environment": environment(), "rows": rows,
-                      "command": [sys.executable] + sys.argv}, args.out.parent, args.out.stem)
+    print_rows("probe_elementwise", rows, args.out)
     return 0
 
 

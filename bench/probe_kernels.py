@@ -8,14 +8,13 @@ Hopper, and this says which one to pick at each sequence length. Prints a table;
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, write_record
+from bench.common import print_rows
 
 
 def bench_ms(fn, warmup: int = 3, reps: int = 10) -> float:
@@ -101,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for seq in (int(s) for s in args.seq_lengths.split(",")):
         for dropout_p in (float(d) for d in args.attention_dropout.split(",")):
             rows += attention_rows(max(1, args.tokens // seq), args.num_attention_heads, seq, head_dim, dropout_p)
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    if args.out:
-        write_record({"kind": "probe_kernels", "environment": environment(), "rows": rows,
-                      "command": [sys.executable] + sys.argv}, args.out.parent, args.out.stem)
+    print_rows("probe_kernels", rows, args.out)
     return 0
 
 
