@@ -562,6 +562,25 @@ stage_fp8drop9() {  # issues 14/15, one GPU, one call: GPT-1.3B FP8 vs bf16 with
   cp bench/results/gpt1_3b_s2048_mbs16_z1_default_fp8_s9*.json "$LOGS/gpu_tests_1gpu_s9.json" "$OUT"/ 2>/dev/null
 }
 
+stage_flatstep() {  # issue 15, one GPU, one call: patch 0004 (the bf16 ZeRO step from the flat bf16 gradient to both
+  # weights in one kernel) against 0001-0003 alone on the default-flags GPT-1.3B step, alternated, the optimizer
+  # phase profiled; then the GPU tests that run the flat step (its kernel against torch's AdamW, training curves)
+  local P="$PYTHON bench/profile_train.py --steps 10 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
+  local p4="$PWD/patches/deepspeed/0004-zero-bf16-flat-master-step.patch" site
+  ds_patches
+  site=$($PYTHON -c "import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))")
+  toggle() { GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply $1 "$p4"; }
+  MDS_GPU_REPORT="$LOGS/gpu_tests_flatstep.json" t 240 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "flat_master or speed_paths or zero0"
+  for round in 1 2; do
+    t 120 $P --no-profile --out "$LOGS/flat_0004_$round.txt" $A
+    toggle --reverse && t 120 $P --no-profile --out "$LOGS/flat_0003_$round.txt" $A; toggle ""
+  done
+  t 150 $P --no-profile --profile-optimizer-step --out "$LOGS/flat_0004_optstep.txt" $A
+  rm -f "$LOGS"/flat_*.step_trace.json
+  cp "$LOGS"/flat_*.json "$LOGS"/flat_*optstep*.txt "$LOGS/gpu_tests_flatstep.json" "$OUT"/ 2>/dev/null
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }

@@ -22,6 +22,7 @@ from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
 from megatron_ds.training.lr_schedule import ScheduledLR
 from megatron_ds.training.lr_schedule import from_args as schedule_from_args
+from megatron_ds.training.optimizer import AdamW
 from megatron_ds.training.ulysses_zero import backward_scale, partition_over_sequence_data_parallel
 
 
@@ -74,33 +75,6 @@ def pipeline_module(config: GPTConfig, state: ParallelState):
     # Recompute counts layers within a stage (Megatron's block method), known once DeepSpeed has partitioned.
     assign_recompute([m for m in module.modules() if isinstance(m, TransformerLayer)], config)
     return module
-
-
-class AdamW(torch.optim.AdamW):
-    """torch AdamW that can measure (and clip by) the global gradient norm itself.
-
-    Used when DeepSpeed hands the step straight to our optimizer (ZeRO-0, fp32): DeepSpeed's own
-    clipping there neither reports the norm nor knows which weights the pipeline duplicates. With
-    ZeRO or bf16/fp16 DeepSpeed's optimizer wrapper measures and clips, and `norm_fn` stays None.
-    """
-
-    norm_fn = None
-    max_norm = 0.0
-    _global_grad_norm = None
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if self.norm_fn is not None:
-            norm = self.norm_fn()  # a device tensor: no host synchronisation per step
-            self._global_grad_norm = norm
-            if self.max_norm > 0:
-                clip = torch.isfinite(norm) & (norm > self.max_norm)
-                scale = torch.where(clip, self.max_norm / (norm + 1e-6), torch.ones_like(norm)).float()
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(scale)
-        return super().step(closure)
 
 
 def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -227,3 +227,11 @@ def test_fp8_layout_matches_single_gpu_fp8(tmp_path_factory, demo_corpus, fp8_re
     run = run_train(tmp_path_factory, demo_corpus, name, [*FP8, *extra], nproc=2)
     assert "FP8 torchao" in REPORT[name]["stdout_head"], REPORT[name]["stdout_head"]
     compare(name, run, fp8_reference)
+
+
+@needs(1)
+def test_flat_master_step_on_gpu():
+    """The flat AdamW step (patches/deepspeed 0004) compiled for CUDA (one Triton kernel) is torch's AdamW."""
+    from tests.training.test_optimizer import check_flat_step
+
+    check_flat_step("cuda")
