@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ds.parallel.testing import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 APPLY = REPO / "patches" / "apply"
 
@@ -110,7 +112,7 @@ def patched_site(plain_site, tmp_path_factory) -> Path:
 def run_driver(tmp_path: Path, site: Path, zero: int, accum: str, opt: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(ZERO=str(zero), ACCUM=accum, OPT=opt)
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29633")
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
     result = subprocess.run([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)

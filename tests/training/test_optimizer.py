@@ -19,7 +19,7 @@ def groups(params: list[torch.Tensor]) -> list[dict]:
 
 def test_flat_master_step_is_torchs_adamw():
     if compile_problem():  # torch 2.1: DeepSpeed keeps its own step (no one-kernel flat step there)
-        assert not AdamW([torch.zeros(3)], fused=True).steps_flat_master
+        assert not said_fused(AdamW([torch.zeros(3)])).steps_flat_master
         return
     check_flat_step("cpu")
 
@@ -68,9 +68,17 @@ def check_flat_step(device: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=4e-6)
 
 
+def said_fused(opt: AdamW) -> AdamW:
+    """As if built with fused=True (which torch 2.1 refuses on CPU): what steps_flat_master looks at."""
+    opt.defaults["fused"] = True
+    return opt
+
+
 def test_flat_master_step_needs_fused_adamw_semantics():
     params = [torch.zeros(4)]
-    assert not AdamW(params, amsgrad=True, fused=True).steps_flat_master
-    assert not AdamW(params, maximize=True, fused=True).steps_flat_master
+    assert not AdamW(params).steps_flat_master  # not fused: torch's foreach/for-loop semantics stay
+    assert not said_fused(AdamW(params, amsgrad=True)).steps_flat_master
+    assert not said_fused(AdamW(params, maximize=True)).steps_flat_master
+    assert said_fused(AdamW(params)).steps_flat_master == (compile_problem() is None)
     with pytest.raises(IndexError):
-        AdamW(params, fused=True).step_flat_master(1, params[0], params[0], params[0])  # no such group
+        AdamW(params).step_flat_master(1, params[0], params[0], params[0])  # no such group
