@@ -581,6 +581,14 @@ stage_flatstep() {  # issue 15, one GPU, one call: patch 0004 (the bf16 ZeRO ste
   cp "$LOGS"/flat_*.json "$LOGS"/flat_*optstep*.txt "$LOGS/gpu_tests_flatstep.json" "$OUT"/ 2>/dev/null
 }
 
+stage_defaults9final() {  # session 9's end state in one call: the defaults against the reference, then the default
+  # step profiled by kernel kind
+  defaults_vs_reference defaults9final s9final
+  t 150 $PYTHON bench/profile_train.py --steps 10 --variant compile --out "$LOGS/profile_default_s9final.txt" -- \
+    $GPT13 --micro-batch-size 16 --zero-stage 1
+  cp "$LOGS"/profile_default_s9final.* "$OUT"/ 2>/dev/null
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
