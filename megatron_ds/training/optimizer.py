@@ -70,7 +70,7 @@ class AdamW(torch.optim.AdamW):
         found_inf = getattr(self, "found_inf", None)
         beta1, beta2 = group["betas"]
         _step_fn()(master, grad, state["exp_avg"], state["exp_avg_sq"], out, state["step"],
-                   torch.as_tensor(group["lr"], **scalar),
+                   torch.full((), group["lr"], **scalar),  # a fill kernel: a host copy would wait for the GPU
                    torch.ones((), **scalar) if grad_scale is None else grad_scale.to(**scalar),
                    torch.zeros((), **scalar) if found_inf is None else found_inf.to(**scalar),
                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])

@@ -231,7 +231,21 @@ def test_fp8_layout_matches_single_gpu_fp8(tmp_path_factory, demo_corpus, fp8_re
 
 @needs(1)
 def test_flat_master_step_on_gpu():
-    """The flat AdamW step (patches/deepspeed 0004) compiled for CUDA (one Triton kernel) is torch's AdamW."""
+    """The flat AdamW step (patches/deepspeed 0004) compiled for CUDA (one Triton kernel) is torch's AdamW, and
+    it never waits for the GPU (a host copy of the learning rate once did: 8 ms of each step idle)."""
+    from megatron_ds.training.optimizer import AdamW
     from tests.training.test_optimizer import check_flat_step
 
     check_flat_step("cuda")
+    master = torch.randn(1 << 20, device="cuda")
+    opt = AdamW([master], lr=1e-3, fused=True)
+    out, grad = torch.empty_like(master, dtype=torch.bfloat16), torch.randn_like(master).bfloat16()
+    opt.grad_scale, opt.found_inf = torch.ones((), device="cuda"), torch.zeros((), device="cuda")
+    opt.step_flat_master(0, master, grad, out)  # compiles, allocates the state
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for lr in (1e-3, 5e-4):
+            opt.param_groups[0]["lr"] = lr
+            opt.step_flat_master(0, master, grad, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
