@@ -571,12 +571,13 @@ stage_flatstep() {  # issue 15, one GPU, one call: patch 0004 (the bf16 ZeRO ste
   site=$($PYTHON -c "import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))")
   toggle() { GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply $1 "$p4"; }
   MDS_GPU_REPORT="$LOGS/gpu_tests_flatstep.json" t 240 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
-    -k "flat_master or speed_paths or zero0"
+    -k "${FLAT_TESTS:-flat_master or speed_paths or zero0}"
   for round in 1 2; do
     t 120 $P --no-profile --out "$LOGS/flat_0004_$round.txt" $A
     toggle --reverse && t 120 $P --no-profile --out "$LOGS/flat_0003_$round.txt" $A; toggle ""
   done
   t 150 $P --no-profile --profile-optimizer-step --out "$LOGS/flat_0004_optstep.txt" $A
+  t 150 $P --out "$LOGS/flat_0004_profile.txt" $A
   rm -f "$LOGS"/flat_*.step_trace.json
   cp "$LOGS"/flat_*.json "$LOGS"/flat_*optstep*.txt "$LOGS/gpu_tests_flatstep.json" "$OUT"/ 2>/dev/null
 }
