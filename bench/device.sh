@@ -582,6 +582,10 @@ stage_flatstep() {  # issue 15, one GPU, one call: patch 0004 (the bf16 ZeRO ste
   cp "$LOGS"/flat_*.json "$LOGS"/flat_*optstep*.txt "$LOGS/gpu_tests_flatstep.json" "$OUT"/ 2>/dev/null
 }
 
+stage_defaults9end() {  # session 9's last state (the flat step without a host copy) against the reference, one call
+  defaults_vs_reference defaults9end s9end
+}
+
 stage_defaults9final() {  # session 9's end state in one call: the defaults against the reference, then the default
   # step profiled by kernel kind
   defaults_vs_reference defaults9final s9final
