@@ -162,6 +162,21 @@ def test_torch_compile_needs_a_torch_that_compiles_the_layer(files):
         validate(parse_args(base(files, "--torch-compile", "--zero-stage", "3"), env={}), 1)  # whole-layer gathers
 
 
+def test_inductor_options_are_checked_before_any_rank_starts(files, monkeypatch):
+    from megatron_ds.torch_support import compile_problem
+
+    monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", "fallback_random=false")
+    validate(parse_args(base(files), env={}), 1)  # eager (CPU default): the variable is not read
+    if compile_problem():  # torch 2.1: --torch-compile is refused first
+        check(files, ["--torch-compile"], 1, "--torch-compile", "needs torch >= 2.5")
+        return
+    check(files, ["--torch-compile"], 1, "MDS_INDUCTOR_OPTIONS", "is not JSON")
+    monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", "[1, 2]")
+    check(files, ["--torch-compile"], 1, "MDS_INDUCTOR_OPTIONS", "must be a JSON object")
+    monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", '{"fallback_random": false}')
+    validate(parse_args(base(files, "--torch-compile"), env={}), 1)
+
+
 def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(files, monkeypatch):
     """No flag: eager on CPU (compile time dominates small runs and CI), compiled with a CUDA GPU (TP > 1 too);
     off with one notice where the explicit flag is refused (Ulysses, Transformer Engine FP8, MS-AMP);

@@ -47,6 +47,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _data_files(args)
     _tokenizer_inputs(args)
     _torch_compile(args, dims)
+    _inductor_options(args)
     _tp_comm_overlap(args, dims)
     _environment(args)
     _hangs_and_restarts(args)
@@ -474,6 +475,18 @@ def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
         args.torch_compile = True
     else:
         args.notices.append(f"note: torch.compile is off by default here: {why}")
+
+
+def _inductor_options(args: argparse.Namespace) -> None:
+    """MDS_INDUCTOR_OPTIONS is read where the layers compile: a malformed value is refused here, before any rank
+    starts, instead of on every rank at model construction."""
+    from megatron_ds.model.compiled import extra_inductor_options
+
+    if args.torch_compile:
+        try:
+            extra_inductor_options()
+        except ValueError as err:
+            raise ConfigError("MDS_INDUCTOR_OPTIONS", str(err).removeprefix("MDS_INDUCTOR_OPTIONS ")) from None
 
 
 def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
