@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,8 +110,6 @@ def write_record(record: dict, out_dir: Path, name: str) -> Path:
 
 def print_rows(kind: str, rows: list[dict], out: Path | None) -> None:
     """A probe's rows, one JSON line each, and (with ``out``) its record: the rows, where and how they were taken."""
-    import sys
-
     for r in rows:
         print(json.dumps(r), flush=True)
     if out:

@@ -57,10 +57,17 @@ def extra_inductor_options() -> dict:
     return options
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when compiling fails (not the computation's own errors)."""
     from torch._dynamo.exc import TorchDynamoException
 
     return (TorchDynamoException,)
+
+
+def describe_compile_error(err: BaseException) -> str:
+    """One line for a log: the error's type and the first line of its message."""
+    first_line = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first_line}"
 
 
 def _lower_backward_now():
@@ -74,8 +81,7 @@ def _lower_backward_now():
 
 def _fall_back(err: BaseException) -> None:
     global _failure
-    first_line = (str(err).strip().splitlines() or [""])[0][:300]
-    _failure = f"{type(err).__name__}: {first_line}"
+    _failure = describe_compile_error(err)
     rank = ""
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         rank = f" (rank {torch.distributed.get_rank()})"
@@ -106,7 +112,7 @@ class CompiledForward:
         try:
             with _lower_backward_now():
                 out = self.compiled(*args)
-        except _compile_errors() as err:
+        except compile_errors() as err:
             _fall_back(err)
             return self.eager(*args)
         if timed:

@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from megatron_ds.model.compiled import compile_errors, describe_compile_error
 from megatron_ds.torch_support import compile_problem
 
 _flat_step = None  # the compiled _adamw_flat, or _adamw_flat itself once compiling failed
@@ -105,13 +106,8 @@ def _step_fn():
             global _flat_step
             try:
                 return compiled(*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 - a compile failure; the computation is _adamw_flat's
-                from torch._dynamo.exc import TorchDynamoException
-
-                if not isinstance(err, TorchDynamoException):
-                    raise
-                first = (str(err).strip().splitlines() or [""])[0][:300]
-                print(f"mds: WARNING: torch.compile of the flat AdamW step failed ({type(err).__name__}: {first}); "
+            except compile_errors() as err:
+                print(f"mds: WARNING: torch.compile of the flat AdamW step failed ({describe_compile_error(err)}); "
                       "it runs as separate kernels for the rest of this run", file=sys.stderr, flush=True)
                 _flat_step = _adamw_flat
                 return _adamw_flat(*args, **kwargs)
