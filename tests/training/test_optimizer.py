@@ -4,6 +4,10 @@ clipping factor and the overflow skip inside, and a state torch's AdamW continue
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -82,3 +86,23 @@ def test_flat_master_step_needs_fused_adamw_semantics():
     assert said_fused(AdamW(params)).steps_flat_master == (compile_problem() is None)
     with pytest.raises(IndexError):
         AdamW(params).step_flat_master(1, params[0], params[0], params[0])  # no such group
+
+
+def test_flat_master_step_falls_back_to_separate_kernels_when_compiling_fails(tmp_path):
+    """A broken C++ compiler (inductor's CPU backend needs g++) and an empty inductor cache: the flat step warns
+    once, naming the cause, and still takes torch's AdamW steps (as separate kernels)."""
+    if compile_problem():  # torch 2.1: no flat step to fall back from
+        return
+    bad = tmp_path / "bin"
+    bad.mkdir()
+    (bad / "g++").write_text("#!/bin/sh\necho 'g++: broken on purpose (mds test)' >&2\nexit 1\n")
+    (bad / "g++").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bad}:{os.environ['PATH']}", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", "from tests.training.test_optimizer import check_flat_step; "
+                          "check_flat_step('cpu'); print('checked')"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-4000:]
+    warnings = [line for line in run.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, run.stderr[-4000:]
+    assert "flat AdamW step failed" in warnings[0] and "InvalidCxxCompiler" in warnings[0], warnings
