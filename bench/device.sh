@@ -594,6 +594,39 @@ stage_defaults9final() {  # session 9's end state in one call: the defaults agai
   cp "$LOGS"/profile_default_s9final.* "$OUT"/ 2>/dev/null
 }
 
+gpu_monitor() {  # $1: a CSV under $LOGS sampling the GPU's clocks, power and temperature every 0.5 s until
+  # gpu_monitor_stop: a step that slows down as the GPU heats shows up there, not as our code
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 500 > "$LOGS/$1" 2>&1 &
+  MONITOR=$!
+}
+
+gpu_monitor_stop() { kill "$MONITOR" 2>/dev/null; wait "$MONITOR" 2>/dev/null; }
+
+stage_hostwait() {  # issue 15, one GPU, one call: does a training step ever wait for the GPU (the sync-debug GPU
+  # tests), and where the GPU idles inside the default-flags GPT-1.3B step (profile: idle gaps, per-phase times)
+  ds_patches
+  gpu_monitor smi_hostwait.csv
+  MDS_GPU_REPORT="$LOGS/gpu_tests_hostwait.json" t 300 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "never_waits or flat_master"
+  t 200 $PYTHON bench/profile_train.py --steps 14 --variant compile --out "$LOGS/profile_hostwait.txt" -- \
+    $GPT13 --micro-batch-size 16 --zero-stage 1
+  gpu_monitor_stop
+  cp "$LOGS"/profile_hostwait.* "$LOGS/gpu_tests_hostwait.json" "$LOGS/smi_hostwait.csv" "$OUT"/ 2>/dev/null
+}
+
+stage_likeforlike() {  # issue 15, one GPU, one call: the reference, our default flags, the same without dropout
+  # (the reference's math: like for like), and the default flags timed once per 5 steps (as training logs)
+  gpu_monitor smi_likeforlike.csv
+  defaults_vs_reference likeforlike s10
+  local M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  t 150 $B --steps 20 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_nodrop_s10 -- $M --hidden-dropout 0 \
+    --attention-dropout 0
+  t 150 $B --steps 25 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_default_flags_log5_s10 -- $M --log-interval 5
+  gpu_monitor_stop
+  cp bench/results/gpt1_3b_s2048_mbs16_*_s10.json "$LOGS/smi_likeforlike.csv" "$OUT"/ 2>/dev/null
+}
+
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }

@@ -43,6 +43,7 @@ def kernel_time_by_kind(prof, steps: int) -> dict:
 
     kinds: dict[str, float] = {}
     first, last = float("inf"), 0.0
+    spans = []
     for event in prof.events():
         if event.device_type != DeviceType.CUDA:
             continue
@@ -51,10 +52,31 @@ def kernel_time_by_kind(prof, steps: int) -> dict:
         span = event.time_range
         kinds[kind] = kinds.get(kind, 0.0) + (span.end - span.start) / 1e3  # us -> ms
         first, last = min(first, span.start), max(last, span.end)
+        spans.append((span.start, span.end, event.name))
     per_step = {k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
     busy = sum(kinds.values()) / steps
     return {"kernel_ms_per_step": per_step, "kernels_total_ms_per_step": round(busy, 1),
-            "first_to_last_kernel_ms_per_step": round((last - first) / 1e3 / steps, 1)}
+            "first_to_last_kernel_ms_per_step": round((last - first) / 1e3 / steps, 1), **idle_gaps(spans, steps)}
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 12) -> dict:
+    """Where the GPU sits idle between kernels (us spans): the total per step, split into the gaps under 20 us
+    (launch latency between queued kernels) and the longer ones (the GPU waited for the host), and the longest
+    gaps with the kernels on either side."""
+    spans.sort()
+    gaps, busy_until, previous = [], None, ""
+    for start, end, name in spans:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, previous[:70], name[:70]))
+        if busy_until is None or end >= busy_until:
+            busy_until, previous = end, name
+    short = sum(g for g, _, _ in gaps if g < 20)
+    long = sum(g for g, _, _ in gaps if g >= 20)
+    gaps.sort(reverse=True)
+    return {"idle_ms_per_step": round((short + long) / 1e3 / steps, 3),
+            "idle_short_gaps_ms_per_step": round(short / 1e3 / steps, 3),
+            "idle_long_gaps_ms_per_step": round(long / 1e3 / steps, 3),
+            "longest_gaps_us": [[round(g, 1), before, after] for g, before, after in gaps[:top]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                "mem_gib": torch.cuda.max_memory_allocated() / 2**30, "flops_per_token": fpt,
                "attention_backend": built.attention_backend, "step_time_unsynced_s": unsynced,
                "mfu_unsynced": tokens * fpt / unsynced / 989e12,
-               "phases_s": {k: statistics.median(v) for k, v in phases.items()}, "times": times}
-    print("[profile] " + json.dumps({k: v for k, v in summary.items() if k != "times"}), flush=True)
+               "phases_s": {k: statistics.median(v) for k, v in phases.items()}, "times": times,
+               "phases_per_step_s": {k: [round(x, 4) for x in v] for k, v in phases.items()}}
+    print("[profile] " + json.dumps({k: v for k, v in summary.items() if k not in ("times", "phases_per_step_s")}), flush=True)
     if args.profile_optimizer_step:
         from torch.profiler import ProfilerActivity, profile
 

@@ -79,3 +79,16 @@ def test_failed_run_is_recorded_not_lost(tmp_path):
     rec = json.loads((results / "bad.json").read_text())
     assert rec["status"] == "failed" and rec["exit_code"] == 2 and rec["summary"] is None
     assert "--hidden-size" in rec["log_tail"]
+
+
+def test_idle_gaps_separate_launch_latency_from_waits_for_the_host():
+    from bench.profile_train import idle_gaps
+
+    # us spans over one step: back-to-back kernels, a 5 us launch gap, a kernel inside another's span (a copy on
+    # a side stream: no gap), then 300 us waiting for the host
+    spans = [(0, 100, "gemm"), (100, 200, "gelu"), (205, 400, "gemm2"), (250, 260, "memcpy"), (700, 800, "adam")]
+    gaps = idle_gaps(spans, steps=1)
+    assert gaps["idle_short_gaps_ms_per_step"] == 0.005 and gaps["idle_long_gaps_ms_per_step"] == 0.3
+    assert gaps["idle_ms_per_step"] == 0.305
+    assert gaps["longest_gaps_us"][0] == [300.0, "gemm2", "adam"]
+    assert idle_gaps([*spans, (1100, 1200, "gemm")], steps=2)["idle_long_gaps_ms_per_step"] == 0.3  # per step

@@ -32,6 +32,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
          "--max-position-embeddings", "256"]
 REPORT: dict[str, dict] = {}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def gpus() -> int:
@@ -249,3 +250,25 @@ def test_flat_master_step_on_gpu():
             opt.step_flat_master(0, master, grad, out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@needs(1)
+@pytest.mark.parametrize("name, extra", [
+    ("default_flags", []),  # compiled layers, dropout 0.1, bf16 ZeRO-1: the flat AdamW step
+    ("accumulation", ["--global-batch-size", "16"]),
+])
+def test_training_step_never_waits_for_the_gpu(demo_corpus, name, extra):
+    """A training step between log points (forward, backward, optimizer step, the loop's bookkeeping) makes no
+    synchronisation: the host stays ahead and the GPU never idles for it (the learning rate once reached the
+    GPU by a host copy: 8 ms idle per GPT-1.3B step)."""
+    argv = [*MODEL, "--data-path", demo_corpus.prefix, "--vocab-file", demo_corpus.vocab_file, "--merge-file",
+            demo_corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0", "--micro-batch-size",
+            "4", "--train-iters", "10", "--lr", "1e-3", "--bf16", "--zero-stage", "1", "--eval-iters", "0", *extra]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    result = subprocess.run([sys.executable, "-m", "tests.gpu.step_syncs", *argv], env=env, capture_output=True,
+                            text=True, timeout=600, cwd=REPO)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("SYNCS ")]
+    assert result.returncode == 0 and lines, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    syncs = json.loads(lines[0][len("SYNCS "):])
+    REPORT.setdefault(f"step_syncs_{name}", {})["syncs"] = syncs
+    assert not syncs, json.dumps(syncs, indent=1)[:6000]
