@@ -566,10 +566,8 @@ stage_flatstep() {  # issue 15, one GPU, one call: patch 0004 (the bf16 ZeRO ste
   # weights in one kernel) against 0001-0003 alone on the default-flags GPT-1.3B step, alternated, the optimizer
   # phase profiled; then the GPU tests that run the flat step (its kernel against torch's AdamW, training curves)
   local P="$PYTHON bench/profile_train.py --steps 10 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
-  local p4="$PWD/patches/deepspeed/0004-zero-bf16-flat-master-step.patch" site
   ds_patches
-  site=$($PYTHON -c "import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))")
-  toggle() { GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply $1 "$p4"; }
+  toggle() { ds_patch_toggle 0004-zero-bf16-flat-master-step.patch "$1"; }
   MDS_GPU_REPORT="$LOGS/gpu_tests_flatstep.json" t 240 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
     -k "${FLAT_TESTS:-flat_master or speed_paths or zero0}"
   for round in 1 2; do
@@ -629,6 +627,32 @@ stage_likeforlike() {  # issue 15, one GPU, one call: the reference, our default
 
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
+}
+
+ds_patch_toggle() {  # $1: a patch of patches/deepspeed, $2: --reverse (take it out of the installed DeepSpeed) or ""
+  local site
+  site=$($PYTHON -c "import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))" 2>/dev/null)
+  # shellcheck disable=SC2086
+  GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply $2 "$PWD/patches/deepspeed/$1"
+}
+
+stage_syncfree() {  # issue 15, one GPU, one call: patch 0005 (the gradient norm's non-finite mask without host
+  # round trips) against 0001-0004 on the default-flags GPT-1.3B step, alternated; the sync-debug GPU tests; the
+  # step profiled for idle gaps
+  local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
+  ds_patches
+  gpu_monitor smi_syncfree.csv
+  MDS_GPU_REPORT="$LOGS/gpu_tests_syncfree.json" t 240 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "never_waits"
+  for round in 1 2; do
+    t 120 $P --no-profile --out "$LOGS/syncfree_0005_$round.txt" $A
+    ds_patch_toggle 0005-norm-mask-without-host-sync.patch --reverse && \
+      t 120 $P --no-profile --out "$LOGS/syncfree_0004_$round.txt" $A
+    ds_patch_toggle 0005-norm-mask-without-host-sync.patch ""
+  done
+  t 150 $P --out "$LOGS/syncfree_profile.txt" $A
+  gpu_monitor_stop
+  cp "$LOGS"/syncfree_*.json "$LOGS/gpu_tests_syncfree.json" "$LOGS/smi_syncfree.csv" "$OUT"/ 2>/dev/null
 }
 
 collect() {  # after every stage, so that a call cut off later still returns what finished

@@ -156,3 +156,19 @@ def test_patched_bf16_step_is_the_same_step_without_host_reads(plain_site, patch
     assert bad["weights"] == before["weights"] and bad["adam_step"] == before["adam_step"] == 3.0
     assert patched["steps"][4]["adam_step"] == 4.0
     assert patched["skipped_on_device"] == 1
+
+
+def test_norm_mask_gives_deepspeeds_values(plain_site, patched_site, tmp_path):
+    """patches/deepspeed 0005: every non-finite norm still becomes -1 and a finite one stays (that it no longer
+    waits for the GPU is tests/gpu's sync-debug test of a training step)."""
+    probe = ("import torch; from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace as mask; "
+             "t = torch.tensor([1.5, float('inf'), -float('inf'), float('nan'), 0.0]); mask(t, device=t.device); "
+             "print('RESULT', t.tolist())")
+    results = []
+    for site in (plain_site, patched_site):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+        run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results.append(next(line for line in run.stdout.splitlines() if line.startswith("RESULT ")))
+    assert results[0] == results[1] == "RESULT [1.5, -1.0, -1.0, -1.0, 0.0]"
