@@ -620,6 +620,7 @@ stage_likeforlike() {  # issue 15, one GPU, one call: the reference, our default
   local M="$GPT13 --micro-batch-size 16 --zero-stage 1"
   t 150 $B --steps 20 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_nodrop_s10 -- $M --hidden-dropout 0 \
     --attention-dropout 0
+  cp bench/results/gpt1_3b_s2048_mbs16_*_s10.json "$OUT"/ 2>/dev/null
   t 150 $B --steps 25 --warmup-steps 5 --name gpt1_3b_s2048_mbs16_z1_default_flags_log5_s10 -- $M --log-interval 5
   gpu_monitor_stop
   cp bench/results/gpt1_3b_s2048_mbs16_*_s10.json "$LOGS/smi_likeforlike.csv" "$OUT"/ 2>/dev/null
