@@ -35,8 +35,15 @@ REPORT: dict[str, dict] = {}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# MDS_GPU_TESTS_SHARE_GPU=1 on a one-GPU machine: the two-rank cases put both ranks on that GPU and talk over gloo
+# (NCCL refuses two ranks on one GPU). It checks what runs on the GPU (inductor's Triton kernels, cuDNN, the
+# collectives' placement in the compiled graphs) where no second GPU is lent; NCCL itself and speed it does not.
+SHARE_GPU = os.environ.get("MDS_GPU_TESTS_SHARE_GPU") == "1"
+
+
 def gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return 2 if SHARE_GPU and n == 1 else n
 
 
 def needs(n: int):
@@ -63,6 +70,8 @@ def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int 
             "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
             "--log-interval", "1", "--eval-iters", "0", "--metrics-file", str(metrics),
             "--nproc-per-node", str(nproc), "--no-torch-compile", *extra]  # eager unless a case asks (CUDA default: on)
+    if nproc > torch.cuda.device_count():  # SHARE_GPU: the ranks share GPU 0 (local rank modulo the GPUs seen)
+        argv += ["--distributed-backend", "gloo"]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.update(env_extra or {})
