@@ -11,13 +11,14 @@ ZeRO-3 we partition the module over DP x SP ourselves and scale the backward (tr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.gpt import GPTModel, TransformerLayer, assign_recompute, gpt_stage_specs, lm_loss
-from megatron_ds.parallel.state import ParallelState
+from megatron_ds.parallel.state import ParallelState, local_device_index
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
 from megatron_ds.training.lr_schedule import ScheduledLR
@@ -124,6 +125,13 @@ class Built:
     backward_scale: float = 1.0  # on the loss given to engine.backward (ZeRO-3 under Ulysses: SP)
 
 
+def _device_args():
+    """DeepSpeed sets its device from LOCAL_RANK unless told: a rank that sees only its own GPU (a site's
+    --gpus-per-task, LUMI's per-task ROCR_VISIBLE_DEVICES) then asks for a GPU it cannot see. Ours is
+    local_device_index() (LOCAL_RANK modulo the GPUs seen), the one the rank already uses."""
+    return None if not torch.cuda.is_available() else SimpleNamespace(device_rank=local_device_index())
+
+
 def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
     import deepspeed
 
@@ -171,6 +179,7 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     #    (MS-AMP: its DeepSpeed integration, same arguments, which wraps LBAdamW in its FP8 (ZeRO) optimizer)
     initialize = precision.fp8.deepspeed_initialize() if precision.fp8 is not None else deepspeed.initialize
     engine, _, _, _ = initialize(
+        args=_device_args(),
         model=module, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
         model_parameters=None if optimizer is not None else param_groups,
         mpu=None if pipelined else state.mpu(), dist_init_required=False)
