@@ -630,6 +630,16 @@ ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what t
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
 
+stage_sharedgpu() {  # issue 15, one GPU standing in for two: the two-rank GPU tests with both ranks on GPU 0 over
+  # gloo (tests/gpu: MDS_GPU_TESTS_SHARE_GPU). Not PP (gloo cannot send CUDA tensors) nor SP (its asynchronous
+  # all-gather segfaults on CUDA tensors); not NCCL, not speed. ~8 minutes on an H100: split it across calls.
+  ds_patches
+  MDS_GPU_TESTS_SHARE_GPU=1 MDS_GPU_REPORT="$LOGS/gpu_tests_sharedgpu.json" t 590 $PYTHON -m pytest -m gpu tests/gpu -q \
+    -rA -p no:cacheprovider -k "${SHARED_TESTS:-(test_compile_matches_eager and (tp2_compile or zero3_dp2) and not sp \
+    and not pipeline) or (test_layout_matches_single_gpu_bf16 and (tp2 or dp2) and not sp and not compile)}"
+  cp "$LOGS/gpu_tests_sharedgpu.json" "$OUT"/ 2>/dev/null
+}
+
 ds_patch_toggle() {  # $1: a patch of patches/deepspeed, $2: --reverse (take it out of the installed DeepSpeed) or ""
   local site
   site=$($PYTHON -c "import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))" 2>/dev/null)
