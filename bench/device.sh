@@ -647,6 +647,14 @@ ds_patch_toggle() {  # $1: a patch of patches/deepspeed, $2: --reverse (take it 
   GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply $2 "$PWD/patches/deepspeed/$1"
 }
 
+stage_pp2compile() {  # issue 15 on 2 GPUs, one short call: PP=2 compiled against the one-GPU eager curve, then
+  # against PP=2 eager with dropout 0.1 (NCCL point-to-point; gloo on one GPU cannot run PP). The report is written
+  # after every run, so what finished comes back when the time limit cuts the call short.
+  ds_patches
+  MDS_GPU_REPORT="$OUT/gpu_tests_pp2compile.json" t ${PP2_LIMIT:-140} $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k "pp2_compile and not nodrop"
+}
+
 stage_syncfree() {  # issue 15, one GPU, one call: patch 0005 (the gradient norm's non-finite mask without host
   # round trips) against 0001-0004 on the default-flags GPT-1.3B step, alternated; the sync-debug GPU tests; the
   # step profiled for idle gaps

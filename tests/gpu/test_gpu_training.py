@@ -50,13 +50,18 @@ def needs(n: int):
     return pytest.mark.skipif(gpus() < n, reason=f"needs {n} CUDA GPUs, found {gpus()}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def write_report():
-    yield
+def write_report() -> None:
+    """After every run, not at the end: a call cut short by its time limit still brings back what it measured."""
     path = os.environ.get("MDS_GPU_REPORT")
     if path and REPORT:
         with open(path, "w") as f:
             json.dump(REPORT, f, indent=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_at_the_end():
+    yield
+    write_report()  # what tests added after their last run (loss scales, FP8 notes)
 
 
 def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int = 1,
@@ -85,6 +90,7 @@ def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int 
     REPORT[name]["stdout_head"] = "\n".join(line for line in result.stdout.splitlines() if "mds train:" in line)
     # torch's asynchronous TP says so when it found no all-gather/reduce-scatter next to a GEMM to fuse
     REPORT[name]["async_tp_unmatched"] = "async TP found no matching" in result.stderr
+    write_report()
     return train
 
 
@@ -93,6 +99,7 @@ def compare(name: str, run: list[dict], reference: list[dict]) -> None:
     want = [r["lm_loss"] for r in reference]
     rel = [abs(a - b) / abs(b) for a, b in zip(got, want)]
     REPORT[name].update(max_rel=max(rel), mean_rel=sum(rel) / len(rel))
+    write_report()
     assert max(rel) <= REL, f"{name}: max relative difference {max(rel):.2e} > {REL}\n{got}\n{want}"
     assert sum(rel) / len(rel) <= MEAN_REL, f"{name}: mean relative difference {sum(rel) / len(rel):.2e}"
 
@@ -164,6 +171,7 @@ def test_compile_matches_eager(tmp_path_factory, demo_corpus, name, extra, nproc
     assert abs(got - want) <= 1e-2 * want, f"first-step gradient norm {got} vs eager {want}"
     rel = [abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"]) for a, b in zip(run, eager)]
     REPORT[f"{name}{suffix}"].update(max_rel_vs_eager=max(rel), mean_rel_vs_eager=sum(rel) / len(rel))
+    write_report()
     assert max(rel) <= REL and sum(rel) / len(rel) <= MEAN_REL, rel
 
 
