@@ -42,19 +42,30 @@ def first_call_seconds() -> float | None:
 LAYER_OPTIONS = {"fallback_random": True}
 
 
-def extra_inductor_options() -> dict:
-    """Inductor config from MDS_INDUCTOR_OPTIONS (a JSON object): for trying inductor's switches that have no
-    TORCHINDUCTOR_ environment variable, e.g. '{"fallback_random": true}'."""
-    text = os.environ.get("MDS_INDUCTOR_OPTIONS", "").strip()
-    if not text:
+INDUCTOR_OPTIONS_VAR = "MDS_INDUCTOR_OPTIONS"
+
+
+def parse_inductor_options(text: str) -> dict:
+    """Inductor config from a JSON object, e.g. '{"fallback_random": true}' (empty: none). ValueError says the rule
+    broken; the caller names where the text came from."""
+    if not text.strip():
         return {}
     try:
         options = json.loads(text)
     except ValueError as err:
-        raise ValueError(f"MDS_INDUCTOR_OPTIONS is not JSON ({err}): {text!r}") from None
+        raise ValueError(f"is not JSON ({err}): {text!r}") from None
     if not isinstance(options, dict):
-        raise ValueError(f"MDS_INDUCTOR_OPTIONS must be a JSON object of inductor config names, got {text!r}")
+        raise ValueError(f"must be a JSON object of inductor config names, got {text!r}")
     return options
+
+
+def extra_inductor_options() -> dict:
+    """Inductor config from MDS_INDUCTOR_OPTIONS: for trying inductor's switches that have no TORCHINDUCTOR_
+    environment variable."""
+    try:
+        return parse_inductor_options(os.environ.get(INDUCTOR_OPTIONS_VAR, ""))
+    except ValueError as err:
+        raise ValueError(f"{INDUCTOR_OPTIONS_VAR} {err}") from None
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:

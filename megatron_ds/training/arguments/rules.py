@@ -480,13 +480,13 @@ def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
 def _inductor_options(args: argparse.Namespace) -> None:
     """MDS_INDUCTOR_OPTIONS is read where the layers compile: a malformed value is refused here, before any rank
     starts, instead of on every rank at model construction."""
-    from megatron_ds.model.compiled import extra_inductor_options
+    from megatron_ds.model.compiled import INDUCTOR_OPTIONS_VAR, parse_inductor_options
 
     if args.torch_compile:
         try:
-            extra_inductor_options()
+            parse_inductor_options(os.environ.get(INDUCTOR_OPTIONS_VAR, ""))
         except ValueError as err:
-            raise ConfigError("MDS_INDUCTOR_OPTIONS", str(err).removeprefix("MDS_INDUCTOR_OPTIONS ")) from None
+            raise ConfigError(INDUCTOR_OPTIONS_VAR, str(err)) from None
 
 
 def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
