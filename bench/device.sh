@@ -647,6 +647,16 @@ ds_patch_toggle() {  # $1: a patch of patches/deepspeed, $2: --reverse (take it 
   GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply $2 "$PWD/patches/deepspeed/$1"
 }
 
+stage_dppp() {  # issue 15 on 2 GPUs, one call: DP and PP against one GPU with today's defaults (compiled, dropout
+  # 0.1, patched DeepSpeed); the issue asks DP per GPU >= 0.95x one GPU and PP=2 >= 0.88x (session 3, eager)
+  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  ds_patches
+  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_dp1_s12 -- $M --nproc-per-node 1
+  t 170 $B $S --dp-hint 2 --name gpt1_3b_s2048_mbs16_z1_dp2_s12 -- $M --nproc-per-node 2
+  t 200 $B $S --name gpt1_3b_s2048_mbs8_gbs64_z1_pp2_s12 -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
+    --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
+}
+
 stage_pp2compile() {  # issue 15 on 2 GPUs, one short call: PP=2 compiled against the one-GPU eager curve, then
   # against PP=2 eager with dropout 0.1 (NCCL point-to-point; gloo on one GPU cannot run PP). The report is written
   # after every run, so what finished comes back when the time limit cuts the call short.
