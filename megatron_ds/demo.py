@@ -24,7 +24,8 @@ import time
 SPLIT = "95,5,0"  # train, validation, test documents; the corpus is shuffled, so both span the library
 # Measured with the defaults (300 iterations, CPU, Python 3.11's stdlib, torch 2.13; CPU runs repeat exactly):
 # training 4.48 (mean of iterations 291-300), validation 5.29: what a newcomer should see (tests/test_demo.py
-# holds the demo to them). Before the schedule counted samples (warmup from lr 0, f89a366): 5.14-5.20 and 5.75-5.84.
+# holds the demo to them). Before the schedule counted samples (warmup from lr 0; a bisect put the change in
+# 702f240..187f46d, f89a366 the schedule commit among them): 5.14-5.20 and 5.75-5.84.
 EXPECTED_FINAL_LOSS = 4.5
 EXPECTED_VALIDATION_LOSS = 5.3
 
