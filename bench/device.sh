@@ -657,6 +657,33 @@ stage_dppp() {  # issue 15 on 2 GPUs, one call: DP and PP against one GPU with t
     --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
 }
 
+stage_dppp80() {  # as dppp where one 80 GB card cannot hold micro batch 16 with the default flags (H100):
+  # micro batch 8 for one GPU and DP=2; then GPT-6.7B TP=2+SP without an overlap lever, given the time its cold
+  # start needs
+  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size 8 --zero-stage 1"
+  ds_patches
+  t 130 $B $S --name gpt1_3b_s2048_mbs8_z1_dp1_s12 -- $M --nproc-per-node 1
+  t 150 $B $S --dp-hint 2 --name gpt1_3b_s2048_mbs8_z1_dp2_s12 -- $M --nproc-per-node 2
+  t 260 $B --steps 8 --warmup-steps 3 --name gpt6_7b_s2048_mbs4_z1_tp2_sp -- --preset GPT6_7B --bf16 \
+    --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel
+}
+
+stage_tpdrop67() {  # issue 15 on 2 GPUs: GPT-6.7B TP=2+SP with the default flags (dropout 0.1), no overlap lever
+  # and pipeline, in one call, since the attention core runs eagerly between two graphs (SelfAttention.core_for)
+  local S="--steps 8 --warmup-steps 3"
+  local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
+  ds_patches
+  t 180 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_2graphs -- $M --sequence-parallel
+  t 180 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_pipeline_2graphs -- $M --sequence-parallel --tp-comm-overlap pipeline
+}
+
+stage_tppipelinetests() {  # issue 15 on 2 GPUs: compiled TP=2+SP with --tp-comm-overlap pipeline against eager,
+  # dropout on and off (pytest -m gpu; the report is written after every run)
+  ds_patches
+  MDS_GPU_REPORT="$OUT/gpu_tests_tppipeline.json" t ${PIPE_LIMIT:-160} $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k "tp2_sp_compile_pipeline"
+}
+
 stage_pp2compile() {  # issue 15 on 2 GPUs, one short call: PP=2 compiled against the one-GPU eager curve, then
   # against PP=2 eager with dropout 0.1 (NCCL point-to-point; gloo on one GPU cannot run PP). The report is written
   # after every run, so what finished comes back when the time limit cuts the call short.

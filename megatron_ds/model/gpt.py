@@ -150,6 +150,10 @@ class SelfAttention(nn.Module):
                                       **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(self.core_for(self.training)(*self.heads(x)))
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [b, s, heads, d] (rotated under RoPE) from x [s, b, h] (this rank's sequence shard under SP)."""
         qkv = self.qkv(x)  # [s, b, (nq + 2 nkv) / tp * d], full sequence even under SP
         s, b, _ = qkv.shape
         d, nq, nkv = self.head_dim, self.local_q_heads, self.local_kv_heads
@@ -161,15 +165,36 @@ class SelfAttention(nn.Module):
             cos, sin = rotary_tables(s, r, self.rope_base, x.device, first)
             q, k = (torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1) if r < d
                     else apply_rotary(t, cos, sin) for t in (q, k))
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        # attention dropout acts on this rank's heads only (TP, or Ulysses after its all-to-all): a stream of its own
-        heads_group = self.sp_group if self.distributed is not None else self.group
-        with tp_rank_rng(heads_group, x.device, enabled=self.training and self.core.dropout > 0):
-            if self.distributed is not None:
-                out = self.distributed(q, k, v, 0)  # all-to-all, core on nq/sp heads, all-to-all back
-            else:
-                out = self._local_core(q, k, v)  # [b, s, nq, d]
-        return self.proj(out.transpose(0, 1).reshape(s, b, nq * d))
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """The row-parallel output projection of the core's [b, s, heads, d], back to [s, b, h]."""
+        b, s = out.shape[:2]
+        return self.proj(out.transpose(0, 1).reshape(s, b, self.local_q_heads * self.head_dim))
+
+    def core_for(self, training: bool):
+        """The core to call. Attention dropout acts on this rank's heads only (TP, or Ulysses after its all-to-all),
+        so it draws from a stream of the rank's own: seeding one cannot be traced, and a compiled layer calls that
+        core eagerly. The caller calls it from its own top level, so that the break leaves two whole graphs (a
+        break deeper down split the layer into many, some gather/GEMM pairs of torch's asynchronous TP apart)."""
+        if training and self.core.dropout > 0 and tp_size(self._heads_group) > 1:
+            return self._core_on_rank_stream
+        return self._core
+
+    @property
+    def _heads_group(self):
+        """The ranks that split the heads: Ulysses' after its all-to-all, else TP's."""
+        return self.sp_group if self.distributed is not None else self.group
+
+    @torch.compiler.disable
+    def _core_on_rank_stream(self, q, k, v) -> torch.Tensor:
+        with tp_rank_rng(self._heads_group, q.device):
+            return self._core(q, k, v)
+
+    def _core(self, q, k, v) -> torch.Tensor:
+        if self.distributed is not None:
+            return self.distributed(q, k, v, 0)  # all-to-all, core on nq/sp heads, all-to-all back
+        return self._local_core(q, k, v)  # [b, s, nq, d]
 
     def _local_core(self, q, k, v) -> torch.Tensor:
         if self.recompute_core and torch.is_grad_enabled():  # selective recompute: keep no [s, s] scores
@@ -238,7 +263,9 @@ class TransformerLayer(nn.Module):
         return sequence_parallel_dropout(x, self.dropout, self.training, self.sp_group)  # Ulysses, or plain
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attention(self.input_norm(x)))
+        attention = self.attention  # its three steps called from here: see SelfAttention.core_for
+        core = attention.core_for(self.training)
+        x = x + self._drop(attention.project(core(*attention.heads(self.input_norm(x)))))
         return x + self._drop(self.mlp(self.post_attention_norm(x)))
 
     @property

@@ -10,7 +10,8 @@ collectives are graph nodes (torch's functional ones, see mappings.py), so induc
 - ``pipeline`` (with ``--sequence-parallel``, on CUDA): torch's asynchronous TP as well. Each all-gather ->
   GEMM and GEMM -> reduce-scatter pair becomes one fused op that works through the ranks' chunks over symmetric
   memory, so the forward's sequence gathers overlap their own GEMM (nothing else in the forward is independent
-  of them). Inductor keeps the plain overlap where ``reorder`` already hides a collective.
+  of them). Inductor keeps the plain overlap where ``reorder`` already hides a collective. Measured slower than
+  ``reorder`` on 2 x H100 (bench/RESULTS.md, session 12), so it runs only when asked for by name.
 
 Both change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
 """
@@ -26,11 +27,10 @@ _PASSES = (["reorder_communication_preserving_peak_memory", "sink_waits_iterativ
            ["sink_waits", "raise_comms", "reorder_compute_for_overlap"])
 
 
-def resolve_mode(asked: str | None, *, sequence_parallel: bool, cuda: bool) -> str | None:
-    """The mode that runs: ``auto`` (the bare flag) is ``pipeline`` where it can run, ``reorder`` elsewhere."""
-    if asked == "auto":
-        return "pipeline" if sequence_parallel and cuda else "reorder"
-    return asked
+def resolve_mode(asked: str | None) -> str | None:
+    """The mode that runs: ``auto`` (the bare flag) is ``reorder``, the lever that measured no slower than none
+    (GPT-2.7B and GPT-6.7B TP=2+SP on 2 x H100, bench/RESULTS.md session 12; ``pipeline`` ran 0.87-0.97x)."""
+    return "reorder" if asked == "auto" else asked
 
 
 def inductor_options(mode: str | None) -> dict | None:

@@ -22,11 +22,11 @@ _RANK_STRIDE = 2718  # keeps the derived seeds of neighbouring ranks apart (any 
 
 
 @contextlib.contextmanager
-def tp_rank_rng(group, device: torch.device | None = None, enabled: bool = True):
+def tp_rank_rng(group, device: torch.device | None = None):
     """Within the block, the default generators of the CPU and ``device`` follow a stream private to
     this TP rank; after it, they continue the shared stream (one CPU draw further on every rank).
-    A no-op without a group, at TP=1, or when not ``enabled``."""
-    if not enabled or tp_size(group) == 1:
+    A no-op without a group or at TP=1. Seeding cannot be traced: compiled code calls it eagerly."""
+    if tp_size(group) == 1:
         yield
         return
     base = int(torch.randint(0, 2**62, (1,)).item())  # from the shared CPU stream: equal on all ranks

@@ -88,8 +88,9 @@ def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int 
     REPORT.setdefault(name, {})["lm_loss"] = [r["lm_loss"] for r in train]
     REPORT[name]["grad_norm"] = [r["grad_norm"] for r in train]
     REPORT[name]["stdout_head"] = "\n".join(line for line in result.stdout.splitlines() if "mds train:" in line)
-    # torch's asynchronous TP says so when it found no all-gather/reduce-scatter next to a GEMM to fuse
-    REPORT[name]["async_tp_unmatched"] = "async TP found no matching" in result.stderr
+    # torch's asynchronous TP says so, once per rank and graph, where a graph had no all-gather/reduce-scatter next
+    # to a GEMM that it fuses
+    REPORT[name]["async_tp_unmatched"] = result.stderr.count("async TP found no matching")
     write_report()
     return train
 
@@ -165,7 +166,11 @@ def test_compile_matches_eager(tmp_path_factory, demo_corpus, name, extra, nproc
     if "--tp-comm-overlap" in extra:
         mode = extra[extra.index("--tp-comm-overlap") + 1]
         assert f"TP comm overlap: {mode}" in REPORT[f"{name}{suffix}"]["stdout_head"]
-        assert not REPORT[f"{name}{suffix}"]["async_tp_unmatched"], "asynchronous TP fused nothing"
+        # one graph each way without dropout; with it, two (the core runs eagerly between them: SelfAttention.core_for),
+        # of which the first's backward has nothing the pass fuses (its sequence gather feeds the weight gradient's
+        # contraction). tests/model counts the fused pairs graph by graph.
+        allowed = nproc if dropout else 0
+        assert REPORT[f"{name}{suffix}"]["async_tp_unmatched"] <= allowed, "asynchronous TP left graphs unfused"
     got, want = run[0]["grad_norm"], eager[0]["grad_norm"]
     REPORT[f"{name}{suffix}"]["first_grad_norm_vs_eager"] = [got, want]
     assert abs(got - want) <= 1e-2 * want, f"first-step gradient norm {got} vs eager {want}"

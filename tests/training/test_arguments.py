@@ -241,14 +241,14 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
         validate(args, 2)
         return args.tp_comm_overlap
 
-    assert mode("--tp-comm-overlap") == "reorder"  # no CUDA here: the bare flag is reorder, with or without SP
+    assert mode("--tp-comm-overlap") == "reorder"  # the bare flag is reorder, with or without SP or CUDA
     assert mode("--tp-comm-overlap", "--sequence-parallel") == "reorder"
     assert mode("--tp-comm-overlap", "reorder") == "reorder"
     check(files, [*tp2, "--torch-compile", "--sequence-parallel", "--tp-comm-overlap", "pipeline"], 2,
           "--tp-comm-overlap", "no CUDA GPU is visible here")
     monkeypatch.setattr(rules, "cuda_gpu_visible", lambda: True)
-    assert mode("--tp-comm-overlap", "--sequence-parallel") == "pipeline"  # a GPU with SP: asynchronous TP
-    assert mode("--tp-comm-overlap") == "reorder"  # no SP: nothing to pipeline
+    assert mode("--tp-comm-overlap", "--sequence-parallel") == "reorder"  # a GPU with SP: still reorder (measured)
+    assert mode("--tp-comm-overlap", "pipeline", "--sequence-parallel") == "pipeline"
     check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "pipeline"], 2, "--tp-comm-overlap",
           "it needs --sequence-parallel")
 

@@ -79,7 +79,7 @@ def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, ea
 
 
 def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
-    """--tp-comm-overlap as a user gives it (the bare flag: reorder on CPU, which has no symmetric memory) on two
+    """--tp-comm-overlap as a user gives it (the bare flag: reorder) on two
     gloo ranks with TP=2 and sequence parallelism: the start-up line names the mode and the losses are the
     one-rank eager ones (the schedule moves, the sums do not; tests/model has the moved waits themselves)."""
     from megatron_ds.torch_support import compile_problem

@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "late, so backward's all-reduces, reduce-scatters and re-gathers run beside the "
                         "weight-gradient GEMMs. pipeline (with --sequence-parallel, CUDA): also torch's "
                         "asynchronous TP, which splits each all-gather -> GEMM and GEMM -> reduce-scatter into "
-                        "chunks over symmetric memory. The bare flag: pipeline where it can run, else reorder. "
-                        "Off by default")
+                        "chunks over symmetric memory. The bare flag: reorder. Off by default: on 2 x H100 "
+                        "(GPT-2.7B/6.7B, TP=2+SP) reorder ran as fast as none, pipeline 0.87-0.97x")
 
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", default=None)

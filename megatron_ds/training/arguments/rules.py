@@ -503,12 +503,11 @@ def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
         raise ConfigError(flag, "the overlap is scheduled by torch.compile, which is off here (--no-torch-compile, "
                           "or eager by default: CPU, ROCm, or a layout mds does not compile); give --torch-compile "
                           "or drop the flag")
-    cuda = cuda_gpu_visible()
-    mode = resolve_mode(args.tp_comm_overlap, sequence_parallel=bool(args.sequence_parallel), cuda=cuda)
+    mode = resolve_mode(args.tp_comm_overlap)
     if mode == "pipeline" and not args.sequence_parallel:
         raise ConfigError(flag, "pipeline splits the sequence-parallel all-gathers and reduce-scatters: it needs "
                           "--sequence-parallel (reorder works without)")
-    if mode == "pipeline" and not cuda:
+    if mode == "pipeline" and not cuda_gpu_visible():
         raise ConfigError(flag, "pipeline exchanges its chunks through CUDA symmetric memory and no CUDA GPU is "
                           "visible here (reorder runs wherever the layers compile)")
     args.tp_comm_overlap = mode
