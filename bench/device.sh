@@ -447,7 +447,7 @@ tp_overlap_levers() {  # PRESET MICRO_BATCH NAME_STEM LIMIT_S: TP=2 + SP with th
   local S="--steps 8 --warmup-steps 3"
   local M="--preset $1 --bf16 --micro-batch-size $2 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
   ds_patches
-  t "$4" $B $S --name "$3_tp2_sp" -- $M --sequence-parallel
+  t $(( $4 + 90 )) $B $S --name "$3_tp2_sp" -- $M --sequence-parallel  # the call's first: its cold start ~95 s more
   t "$4" $B $S --name "$3_tp2_sp_reorder" -- $M --sequence-parallel --tp-comm-overlap reorder
   t $(( $4 + 20 )) $B $S --name "$3_tp2_sp_pipeline" -- $M --sequence-parallel --tp-comm-overlap pipeline
 }
@@ -673,7 +673,7 @@ stage_tpdrop67() {  # issue 15 on 2 GPUs: GPT-6.7B TP=2+SP with the default flag
   local S="--steps 8 --warmup-steps 3"
   local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
   ds_patches
-  t 180 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_2graphs -- $M --sequence-parallel
+  t 270 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_2graphs -- $M --sequence-parallel  # cold start: 94.6 s first step
   t 180 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_pipeline_2graphs -- $M --sequence-parallel --tp-comm-overlap pipeline
 }
 
@@ -682,6 +682,15 @@ stage_tppipelinetests() {  # issue 15 on 2 GPUs: compiled TP=2+SP with --tp-comm
   ds_patches
   MDS_GPU_REPORT="$OUT/gpu_tests_tppipeline.json" t ${PIPE_LIMIT:-160} $PYTHON -m pytest -m gpu tests/gpu -q -rA \
     -p no:cacheprovider -k "tp2_sp_compile_pipeline"
+}
+
+stage_tpprofile() {  # issue 15 on 2 GPUs: where the GPT-6.7B TP=2+SP step with the default flags goes (GEMM,
+  # attention, NCCL, fused element-wise, idle), profiled on both ranks as `entrypoint train` builds it
+  ds_patches
+  t 360 $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py --steps 10 \
+    --variant compile --out "$LOGS/profile_tp2_sp_gpt6_7b.txt" -- --preset GPT6_7B --bf16 --micro-batch-size 4 \
+    --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel
+  cp "$LOGS"/profile_tp2_sp_gpt6_7b.* "$OUT"/ 2>/dev/null
 }
 
 stage_pp2compile() {  # issue 15 on 2 GPUs, one short call: PP=2 compiled against the one-GPU eager curve, then

@@ -1,5 +1,6 @@
-"""The model and DeepSpeed engine that `entrypoint train` builds for some flags, in this one process (world size 1)
-on the synthetic GPT-2-vocabulary corpus: what the profiles and probes in bench/ look inside.
+"""The model and DeepSpeed engine that `entrypoint train` builds for some flags, in this process, on the synthetic
+GPT-2-vocabulary corpus: what the profiles and probes in bench/ look inside. World size 1 by default; under
+torchrun each rank builds its part (tensor parallelism: the ranks then step together on the same batches).
 
 ``before_validate`` and ``after_validate`` let a probe change one thing the flags cannot say (a variant), on
 either side of validation, which would refuse or fill some of them.
@@ -28,19 +29,20 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port))):
-        os.environ.setdefault(key, value)
-    prefix = synthetic_dataset(DATA_DIR / "syn", 1_000_000)
+        os.environ.setdefault(key, value)  # torchrun's, where it launched us
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    prefix = synthetic_dataset(DATA_DIR / f"syn_rank{rank}", 1_000_000)  # one writer per file
     args = parse_args(flags + ["--train-iters", "100", "--lr", "1e-4", "--data-path", str(prefix),
                                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
     if before_validate is not None:
         before_validate(args)
-    validate(args, 1)
+    validate(args, world)
     if after_validate is not None:
         after_validate(args)
     if device == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     state = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           "nccl" if device == "cuda" else "gloo")
     vocab = pad_vocab_size(build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB).vocab_size,
-                           args.make_vocab_size_divisible_by, 1)
+                           args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     return args, build_engine(args, precision_from_args(args), state, vocab)

@@ -5,7 +5,12 @@
 
 Builds exactly what `entrypoint train` builds for those flags (parse_args/validate, init_parallel,
 build_engine) in one process, times --steps steps with CUDA sync (median after 3 warm-up steps), then
-profiles two steps and writes the top kernels/ops table. A --variant changes one thing, to measure a fix
+profiles two steps and writes the top kernels/ops table. Under torchrun it profiles a TP layout (every rank
+steps on the same batches; rank 0 writes --out; TFLOP/s and MFU are per GPU):
+
+    torchrun --nproc-per-node 2 bench/profile_train.py --variant compile --out /tmp/tp.txt -- \\
+        --preset GPT6_7B --bf16 --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel
+ A --variant changes one thing, to measure a fix
 before anyone writes it: "cudnn" (SDPA prefers the cuDNN attention kernel), "compile" (torch.compile of
 each transformer layer; without it the layers run eager, whatever the CUDA default), "nodrop" (dropout off), "autocast" (fp32 weights, no DeepSpeed bf16 wrapper, the
 step under torch.autocast(bf16): what nanoGPT-style training does), "igu" (DeepSpeed's bf16
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -113,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             train_args.ds_config_file = {**(train_args.ds_config_file or {}), "bf16": {"immediate_grad_update": True}}
 
     train_args, built = build(flags, before_validate=before_validate, after_validate=after_validate)
+    if train_args.pipeline_model_parallel_size > 1:
+        raise SystemExit("profile_train steps the engine one micro batch at a time: PP > 1 is not supported")
+    if int(os.environ["RANK"]) != 0:
+        args.out = None  # rank 0 writes
     engine = built.engine
     b, s = train_args.micro_batch_size, train_args.seq_length
     g = torch.Generator().manual_seed(0)
@@ -165,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         t3 = time.perf_counter()
         for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
             phases[key].append(value)
-    tokens = b * s
+    world = int(os.environ["WORLD_SIZE"])
+    tokens = b * s * world // train_args.tensor_model_parallel_size  # every data-parallel replica's micro batch
     fpt = built.config.flops_per_token()
     summary = {"variant": args.variant, "flags": flags, "step_time_s": med, "tokens_per_s": tokens / med,
-               "tflops_per_gpu": tokens * fpt / med / 1e12, "mfu": tokens * fpt / med / 989e12,
+               "tflops_per_gpu": tokens * fpt / world / med / 1e12, "mfu": tokens * fpt / world / med / 989e12,
                "mem_gib": torch.cuda.max_memory_allocated() / 2**30, "flops_per_token": fpt,
                "attention_backend": built.attention_backend, "step_time_unsynced_s": unsynced,
-               "mfu_unsynced": tokens * fpt / unsynced / 989e12,
+               "mfu_unsynced": tokens * fpt / world / unsynced / 989e12,
                "phases_s": {k: statistics.median(v) for k, v in phases.items()}, "times": times,
                "phases_per_step_s": {k: [round(x, 4) for x in v] for k, v in phases.items()}}
     print("[profile] " + json.dumps({k: v for k, v in summary.items() if k not in ("times", "phases_per_step_s")}), flush=True)

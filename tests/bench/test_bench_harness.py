@@ -92,3 +92,35 @@ def test_idle_gaps_separate_launch_latency_from_waits_for_the_host():
     assert gaps["idle_ms_per_step"] == 0.305
     assert gaps["longest_gaps_us"][0] == [300.0, "gemm2", "adam"]
     assert idle_gaps([*spans, (1100, 1200, "gemm")], steps=2)["idle_long_gaps_ms_per_step"] == 0.3  # per step
+
+
+_BUILD_ON_A_RANK = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from bench.in_process import build
+args, built = build(["--preset", "TINY", "--micro-batch-size", "2", *sys.argv[2:]], device="cpu")
+params = sum(p.numel() for p in built.engine.module.parameters())
+print("BUILT " + json.dumps({"rank": int(os.environ["RANK"]), "params": params, "tp": args.tensor_model_parallel_size,
+                             "world": args.world_size}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_in_process_build_gives_each_torchrun_rank_its_tp_half(tmp_path):
+    """bench/in_process.build (what profile_train profiles) under torchrun: with TP=2 each of the two ranks builds
+    its half of the model, so a TP step can be profiled as `entrypoint train` runs it."""
+    script = tmp_path / "build_on_a_rank.py"
+    script.write_text(_BUILD_ON_A_RANK)
+
+    def built(nproc: int, *flags: str) -> list[dict]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(script), str(REPO), *flags]
+        run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return sorted((json.loads(line[6:]) for line in run.stdout.splitlines() if line.startswith("BUILT ")),
+                      key=lambda r: r["rank"])
+
+    whole, = built(1)
+    halves = built(2, "--tensor-model-parallel-size", "2")
+    assert [r["rank"] for r in halves] == [0, 1] and {(r["tp"], r["world"]) for r in halves} == {(2, 2)}
+    assert halves[0]["params"] == halves[1]["params"] < whole["params"], (whole, halves)
