@@ -8,7 +8,9 @@ Dropout off: compiled dropout draws other masks. Tolerance: rel 1e-4 of each ten
 kernels round differently; fp32).
 On CUDA the same comparison is tests/gpu (tp2_compile*) and bench/compile_tp_probe.py.
 --tp-comm-overlap reorder (parallel/overlap.py) is checked here as well: the same sums, and a generated schedule in
-which collectives really have compute between their issue and their wait (none without it).
+which collectives really have compute between their issue and their wait (none without it). So is pipeline: the
+gather/GEMM pairs torch's asynchronous TP fuses, with and without dropout, and the eager sums from the rewritten
+graphs (run with CPU kernels for the fused ops, cpu_async_tp.py).
 """
 
 from __future__ import annotations
