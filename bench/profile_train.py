@@ -5,18 +5,19 @@
 
 Builds exactly what `entrypoint train` builds for those flags (parse_args/validate, init_parallel,
 build_engine) in one process, times --steps steps with CUDA sync (median after 3 warm-up steps), then
-profiles two steps and writes the top kernels/ops table. Under torchrun it profiles a TP layout (every rank
-steps on the same batches; rank 0 writes --out; TFLOP/s and MFU are per GPU):
-
-    torchrun --nproc-per-node 2 bench/profile_train.py --variant compile --out /tmp/tp.txt -- \\
-        --preset GPT6_7B --bf16 --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel
- A --variant changes one thing, to measure a fix
+profiles two steps and writes the top kernels/ops table. A --variant changes one thing, to measure a fix
 before anyone writes it: "cudnn" (SDPA prefers the cuDNN attention kernel), "compile" (torch.compile of
 each transformer layer; without it the layers run eager, whatever the CUDA default), "nodrop" (dropout off), "autocast" (fp32 weights, no DeepSpeed bf16 wrapper, the
 step under torch.autocast(bf16): what nanoGPT-style training does), "igu" (DeepSpeed's bf16
 immediate_grad_update), or combinations joined by "+". Step time is reported twice: the median of
 steps synchronised one by one, and the mean over the same number of steps run back to back (one
 synchronisation, as training with --log-interval > 1 runs).
+
+Under torchrun it profiles a TP layout (every rank steps on the same batches; rank 0 writes --out; TFLOP/s and
+MFU are per GPU):
+
+    torchrun --nproc-per-node 2 bench/profile_train.py --variant compile --out /tmp/tp.txt -- \\
+        --preset GPT6_7B --bf16 --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     train_args, built = build(flags, before_validate=before_validate, after_validate=after_validate)
     if train_args.pipeline_model_parallel_size > 1:
         raise SystemExit("profile_train steps the engine one micro batch at a time: PP > 1 is not supported")
-    if int(os.environ["RANK"]) != 0:
+    if torch.distributed.get_rank() != 0:
         args.out = None  # rank 0 writes
     engine = built.engine
     b, s = train_args.micro_batch_size, train_args.seq_length
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         t3 = time.perf_counter()
         for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
             phases[key].append(value)
-    world = int(os.environ["WORLD_SIZE"])
-    tokens = b * s * world // train_args.tensor_model_parallel_size  # every data-parallel replica's micro batch
+    world = train_args.world_size
+    tokens = b * s * train_args.data_parallel_size  # every replica's micro batch
     fpt = built.config.flops_per_token()
     summary = {"variant": args.variant, "flags": flags, "step_time_s": med, "tokens_per_s": tokens / med,
                "tflops_per_gpu": tokens * fpt / world / med / 1e12, "mfu": tokens * fpt / world / med / 989e12,

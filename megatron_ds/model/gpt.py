@@ -150,7 +150,7 @@ class SelfAttention(nn.Module):
                                       **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(self.core_for(self.training)(*self.heads(x)))
+        return self.project(self.core_for()(*self.heads(x)))
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [b, s, heads, d] (rotated under RoPE) from x [s, b, h] (this rank's sequence shard under SP)."""
@@ -172,12 +172,12 @@ class SelfAttention(nn.Module):
         b, s = out.shape[:2]
         return self.proj(out.transpose(0, 1).reshape(s, b, self.local_q_heads * self.head_dim))
 
-    def core_for(self, training: bool):
+    def core_for(self):
         """The core to call. Attention dropout acts on this rank's heads only (TP, or Ulysses after its all-to-all),
         so it draws from a stream of the rank's own: seeding one cannot be traced, and a compiled layer calls that
         core eagerly. The caller calls it from its own top level, so that the break leaves two whole graphs (a
         break deeper down split the layer into many, some gather/GEMM pairs of torch's asynchronous TP apart)."""
-        if training and self.core.dropout > 0 and tp_size(self._heads_group) > 1:
+        if self.training and self.core.dropout > 0 and tp_size(self._heads_group) > 1:
             return self._core_on_rank_stream
         return self._core
 
@@ -264,8 +264,7 @@ class TransformerLayer(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         attention = self.attention  # its three steps called from here: see SelfAttention.core_for
-        core = attention.core_for(self.training)
-        x = x + self._drop(attention.project(core(*attention.heads(self.input_norm(x)))))
+        x = x + self._drop(attention.project(attention.core_for()(*attention.heads(self.input_norm(x)))))
         return x + self._drop(self.mlp(self.post_attention_norm(x)))
 
     @property
