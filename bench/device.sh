@@ -447,7 +447,7 @@ tp_overlap_levers() {  # PRESET MICRO_BATCH NAME_STEM LIMIT_S: TP=2 + SP with th
   local S="--steps 8 --warmup-steps 3"
   local M="--preset $1 --bf16 --micro-batch-size $2 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
   ds_patches
-  t $(( $4 + 90 )) $B $S --name "$3_tp2_sp" -- $M --sequence-parallel  # the call's first: its cold start ~95 s more
+  t $(( $4 + 90 )) $B $S --name "$3_tp2_sp" -- $M --sequence-parallel --tp-comm-overlap none  # cold start: ~95 s more
   t "$4" $B $S --name "$3_tp2_sp_reorder" -- $M --sequence-parallel --tp-comm-overlap reorder
   t $(( $4 + 20 )) $B $S --name "$3_tp2_sp_pipeline" -- $M --sequence-parallel --tp-comm-overlap pipeline
 }
@@ -460,7 +460,7 @@ stage_tpoverlapnosp() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2 without S
   local S="--steps 8 --warmup-steps 3"
   local M="--preset GPT2_7B --bf16 --micro-batch-size 8 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
   ds_patches
-  t 130 $B $S --name gpt2_7b_s2048_mbs8_z1_tp2 -- $M
+  t 130 $B $S --name gpt2_7b_s2048_mbs8_z1_tp2 -- $M --tp-comm-overlap none
   t 130 $B $S --name gpt2_7b_s2048_mbs8_z1_tp2_reorder -- $M --tp-comm-overlap reorder
 }
 
@@ -487,11 +487,11 @@ stage_inductorlevers() {  # issue 15, one GPU, one call: inductor's own tuning s
   cp "$LOGS"/inductor_lever_*.json "$OUT"/ 2>/dev/null
 }
 
-stage_tpoverlaptests() {  # issue 15 on 2 GPUs: compiled TP=2 with --tp-comm-overlap reorder, TP=2+SP with pipeline,
-  # against their eager selves, dropout on and off (pytest -m gpu)
+stage_tpoverlaptests() {  # issue 15 on 2 GPUs: compiled TP=2 (+SP) with each --tp-comm-overlap (reorder, the
+  # default; none; pipeline with SP) against their eager selves, dropout on and off (pytest -m gpu)
   ds_patches
   MDS_GPU_REPORT="$LOGS/gpu_tests_tpoverlap.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA \
-    -p no:cacheprovider -k "compile_overlap or compile_pipeline"
+    -p no:cacheprovider -k "tp2_compile or tp2_sp_compile"
 }
 
 stage_elementwise() {  # issue 15, one GPU, one call: the default-flags step (GPT-1.3B, micro batch 16, dropout 0.1)
@@ -673,7 +673,7 @@ stage_tpdrop67() {  # issue 15 on 2 GPUs: GPT-6.7B TP=2+SP with the default flag
   local S="--steps 8 --warmup-steps 3"
   local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2"
   ds_patches
-  t 270 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_2graphs -- $M --sequence-parallel  # cold start: 94.6 s first step
+  t 270 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_2graphs -- $M --sequence-parallel --tp-comm-overlap none  # cold
   t 180 $B $S --name gpt6_7b_s2048_mbs4_z1_tp2_sp_pipeline_2graphs -- $M --sequence-parallel --tp-comm-overlap pipeline
 }
 
@@ -685,12 +685,45 @@ stage_tppipelinetests() {  # issue 15 on 2 GPUs: compiled TP=2+SP with --tp-comm
 }
 
 stage_tpprofile() {  # issue 15 on 2 GPUs: where the GPT-6.7B TP=2+SP step with the default flags goes (GEMM,
-  # attention, NCCL, fused element-wise, idle), profiled on both ranks as `entrypoint train` builds it
+  # attention, NCCL, fused element-wise, idle), profiled on both ranks as `entrypoint train` builds it (session 13
+  # profiled it before reorder became the default)
   ds_patches
   t 360 $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py --steps 10 \
     --variant compile --out "$LOGS/profile_tp2_sp_gpt6_7b.txt" -- --preset GPT6_7B --bf16 --micro-batch-size 4 \
     --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel
   cp "$LOGS"/profile_tp2_sp_gpt6_7b.* "$OUT"/ 2>/dev/null
+}
+
+stage_zero3x2() {  # issue 15 on 2 GPUs: ZeRO-3 DP=2 compiled over NCCL against the one-GPU curve and against
+  # ZeRO-3 DP=2 eager, dropout on and off
+  ds_patches
+  MDS_GPU_REPORT="$OUT/gpu_tests_zero3x2.json" t ${ZERO3_LIMIT:-540} $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k "zero3_dp2_compile"
+}
+
+stage_ncclprobe() {  # issue 15 on 2 GPUs: NCCL's all-gather / reduce-scatter of a sequence-parallel layer's
+  # tensors, alone and beside a GEMM, under each NCCL setting worth trying (bench/probe_nccl.py)
+  local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
+  $PYTHON -c "import torch; print('nccl', torch.cuda.nccl.version())"
+  t 60 $P --label default --out "$OUT/nccl_probe.jsonl"
+  NCCL_MIN_NCHANNELS=16 t 60 $P --label min_channels_16 --out "$OUT/nccl_probe.jsonl"
+  NCCL_MIN_NCHANNELS=32 t 60 $P --label min_channels_32 --out "$OUT/nccl_probe.jsonl"
+  NCCL_MAX_NCHANNELS=8 t 60 $P --label max_channels_8 --out "$OUT/nccl_probe.jsonl"
+  NCCL_PROTO=Simple t 60 $P --label proto_simple --out "$OUT/nccl_probe.jsonl"
+  NCCL_BUFFSIZE=16777216 t 60 $P --label buffsize_16m --out "$OUT/nccl_probe.jsonl"
+  NCCL_P2P_LEVEL=NVL NCCL_MIN_NCHANNELS=32 NCCL_BUFFSIZE=16777216 t 60 $P --label min32_buff16m \
+    --out "$OUT/nccl_probe.jsonl"
+}
+
+stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradient accumulation (micro batch 4,
+  # global batch 16), so the optimizer step (45 ms at global batch 4) is paid once per 4 micro-batches; each lever
+  local S="--steps 7 --warmup-steps 3"
+  local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 --nproc-per-node 2"
+  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
+  ds_patches
+  t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_none -- $M --tp-comm-overlap none  # cold start
+  t 170 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M  # the default
+  t 190 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_pipeline -- $M --tp-comm-overlap pipeline
 }
 
 stage_pp2compile() {  # issue 15 on 2 GPUs, one short call: PP=2 compiled against the one-GPU eager curve, then

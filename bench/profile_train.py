@@ -51,8 +51,8 @@ def kernel_time_by_kind(prof, steps: int) -> dict:
     first, last = float("inf"), 0.0
     spans = []
     for event in prof.events():
-        if event.device_type != DeviceType.CUDA:
-            continue
+        if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue  # a GPU-side annotation (ProcessGroupNCCL's "nccl:all_gather...") spans kernels counted already
         name = event.name.lower()
         kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
         span = event.time_range

@@ -11,9 +11,11 @@ collectives are graph nodes (torch's functional ones, see mappings.py), so induc
   GEMM and GEMM -> reduce-scatter pair becomes one fused op that works through the ranks' chunks over symmetric
   memory, so the forward's sequence gathers overlap their own GEMM (nothing else in the forward is independent
   of them). Inductor keeps the plain overlap where ``reorder`` already hides a collective. Measured slower than
-  ``reorder`` on 2 x H100 (bench/RESULTS.md, session 12), so it runs only when asked for by name.
+  ``reorder`` on 2 x H100 (bench/RESULTS.md, sessions 12 and 13), so it runs only when asked for by name.
 
 Both change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
+``reorder`` is the default wherever it can run (compiled layers, TP > 1): GPT-6.7B TP=2+SP with gradient
+accumulation ran 1.03x none in one call, and no layout measured slower (session 13).
 """
 
 from __future__ import annotations
@@ -28,9 +30,22 @@ _PASSES = (["reorder_communication_preserving_peak_memory", "sink_waits_iterativ
 
 
 def resolve_mode(asked: str | None) -> str | None:
-    """The mode that runs: ``auto`` (the bare flag) is ``reorder``, the lever that measured no slower than none
-    (GPT-2.7B and GPT-6.7B TP=2+SP on 2 x H100, bench/RESULTS.md session 12; ``pipeline`` ran 0.87-0.97x)."""
-    return "reorder" if asked == "auto" else asked
+    """The mode that runs for an explicit ``--tp-comm-overlap``: ``auto`` (the bare flag) is ``reorder``, the lever
+    that measured fastest (bench/RESULTS.md sessions 12-13; ``pipeline`` ran 0.87-0.97x none), ``none`` is off."""
+    return {"auto": "reorder", "none": None}.get(asked, asked)
+
+
+def default_mode(tp: int, compiled: bool) -> str | None:
+    """The mode without the flag: ``reorder`` where it can run (TP collectives in compiled layers, and a torch
+    whose inductor has the passes), else off."""
+    return "reorder" if tp > 1 and compiled and _passes() is not None else None
+
+
+def _passes() -> list[str] | None:
+    """The reordering passes this torch's inductor has (torch._inductor.comms), or None."""
+    from torch._inductor import comms
+
+    return next((p for p in _PASSES if all(hasattr(comms, name) for name in p)), None)
 
 
 def inductor_options(mode: str | None) -> dict | None:
@@ -38,9 +53,7 @@ def inductor_options(mode: str | None) -> dict | None:
     checked the mode)."""
     if mode is None:
         return None
-    from torch._inductor import comms
-
-    passes = next((p for p in _PASSES if all(hasattr(comms, name) for name in p)), None)
+    passes = _passes()
     if passes is None:
         raise RuntimeError("this torch's inductor has none of the compute/communication reordering passes mds uses")
     options = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": passes}

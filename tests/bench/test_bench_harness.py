@@ -94,6 +94,31 @@ def test_idle_gaps_separate_launch_latency_from_waits_for_the_host():
     assert idle_gaps([*spans, (1100, 1200, "gemm")], steps=2)["idle_long_gaps_ms_per_step"] == 0.3  # per step
 
 
+def test_kernel_time_by_kind_counts_kernels_not_the_annotations_around_them():
+    """ProcessGroupNCCL marks each collective with a GPU-side annotation ("nccl:all_gather...") that spans its
+    kernel: counted as a kernel, it doubled the communication time of the session-13 TP profile (99.5 ms per
+    step for ~50 ms of NCCL kernels) and made the kernels outlast the step. Events as torch's profiler makes them."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from bench.profile_train import kernel_time_by_kind
+
+    def gpu(name, start, end, annotation=False):
+        return FunctionEvent(0, name, 0, start, end, device_type=DeviceType.CUDA, is_user_annotation=annotation)
+
+    events = [gpu("nvjet_sm90_gemm", 0, 600), gpu("ncclDevKernel_AllGather_RING_LL", 600, 1000),
+              gpu("nccl:all_gather_into_tensor_coalesced", 600, 1000, annotation=True),
+              gpu("triton_poi_gelu", 1000, 1100), FunctionEvent(0, "aten::mm", 0, 0, 600)]  # a CPU op: not GPU time
+
+    class Profile:
+        def events(self):
+            return events
+
+    summary = kernel_time_by_kind(Profile(), steps=1)
+    assert summary["kernel_ms_per_step"] == {"gemm": 0.6, "communication": 0.4, "fused elementwise (inductor)": 0.1}
+    assert summary["kernels_total_ms_per_step"] == summary["first_to_last_kernel_ms_per_step"] == 1.1
+
+
 _BUILD_ON_A_RANK = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])

@@ -217,7 +217,8 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
 
 def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     """--tp-comm-overlap is a compiler schedule: TP > 1 and torch.compile, and pipeline also --sequence-parallel and
-    CUDA; each refusal names the flag. The bare flag becomes the mode that runs here; off by default."""
+    CUDA; each refusal names the flag. The bare flag becomes the mode that runs here. Without the flag: reorder
+    where the layers compile with TP > 1, else off; none turns it off anywhere."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
 
@@ -241,6 +242,14 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
         validate(args, 2)
         return args.tp_comm_overlap
 
+    assert mode() == "reorder"  # the default where it can run
+    assert mode("--tp-comm-overlap", "none") is None
+    args = parse_args(base(files, "--torch-compile"), env={})
+    validate(args, 1)
+    assert args.tp_comm_overlap is None  # TP=1: nothing to overlap, so no default
+    args = parse_args(base(files, *tp2, "--tp-comm-overlap", "none"), env={})
+    validate(args, 2)
+    assert args.tp_comm_overlap is None  # none needs nothing (eager here)
     assert mode("--tp-comm-overlap") == "reorder"  # the bare flag is reorder, with or without SP or CUDA
     assert mode("--tp-comm-overlap", "--sequence-parallel") == "reorder"
     assert mode("--tp-comm-overlap", "reorder") == "reorder"

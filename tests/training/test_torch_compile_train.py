@@ -79,15 +79,15 @@ def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, ea
 
 
 def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
-    """--tp-comm-overlap as a user gives it (the bare flag: reorder) on two
-    gloo ranks with TP=2 and sequence parallelism: the start-up line names the mode and the losses are the
-    one-rank eager ones (the schedule moves, the sums do not; tests/model has the moved waits themselves)."""
+    """Compiled TP=2 with sequence parallelism on two gloo ranks, no overlap flag given: reorder is the default
+    there, the start-up line names it and the losses are the one-rank eager ones (the schedule moves, the sums do
+    not; tests/model has the moved waits themselves, test_arguments the flag's spellings)."""
     from megatron_ds.torch_support import compile_problem
 
     if compile_problem():  # torch 2.1: as above
         pytest.skip(compile_problem())
     run = compiled_run(tmp_path_factory, demo_corpus, "compiled_tp2_overlap", nproc=2,
-                       extra=["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"])
+                       extra=["--tensor-model-parallel-size", "2", "--sequence-parallel"])
     assert "torch.compile on (TP comm overlap: reorder)" in run["stdout"], run["stdout"][-2000:]
     assert "WARNING" not in run["stderr"], run["stderr"][-3000:]
     for a, b in zip(losses(run), losses(eager), strict=True):

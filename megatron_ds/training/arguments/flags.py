@@ -29,7 +29,7 @@ NO_OP_SWITCHES = {
                              "fused bias-GeLU computes)",
     "--no-bias-dropout-fusion": "mds has no bias-dropout fusion kernel",
     "--no-gradient-accumulation-fusion": "mds has no gradient-accumulation fusion kernel",
-    "--no-async-tensor-model-parallel-allreduce": "mds overlaps TP communication only with --tp-comm-overlap",
+    "--no-async-tensor-model-parallel-allreduce": "the compiled layers overlap TP communication (--tp-comm-overlap none: off)",
     "--no-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
     "--apply-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
     "--attention-softmax-in-fp32": "attention softmax always runs in fp32 or inside the flash kernel",
@@ -170,14 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--ds-sequence-parallel-size, Transformer Engine FP8, MS-AMP), where the explicit "
                         "flag is refused. A compile failure falls back to the eager layers with one warning. "
                         "--no-torch-compile: eager")
-    g.add_argument("--tp-comm-overlap", nargs="?", const="auto", choices=["auto", *OVERLAP_MODES],
+    g.add_argument("--tp-comm-overlap", nargs="?", const="auto", choices=["auto", "none", *OVERLAP_MODES],
                    help="overlap tensor-parallel communication with compute in the compiled layers (needs TP > 1 "
                         "and torch.compile). reorder: inductor issues each TP collective early and waits for it "
                         "late, so backward's all-reduces, reduce-scatters and re-gathers run beside the "
                         "weight-gradient GEMMs. pipeline (with --sequence-parallel, CUDA): also torch's "
                         "asynchronous TP, which splits each all-gather -> GEMM and GEMM -> reduce-scatter into "
-                        "chunks over symmetric memory. The bare flag: reorder. Off by default: on 2 x H100 "
-                        "(GPT-2.7B/6.7B, TP=2+SP) reorder ran as fast as none, pipeline 0.87-0.97x")
+                        "chunks over symmetric memory. The bare flag: reorder. Default: reorder wherever the "
+                        "layers compile with TP > 1 (GPT-6.7B TP=2+SP on 2 x H100: 1.03x none; pipeline "
+                        "0.87-0.97x), else off. none: off")
 
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", default=None)

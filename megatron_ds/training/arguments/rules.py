@@ -491,10 +491,15 @@ def _inductor_options(args: argparse.Namespace) -> None:
 
 def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
     """--tp-comm-overlap is a schedule the compiler makes: it needs TP > 1 and the compiled layers; pipeline also
-    --sequence-parallel and CUDA (symmetric memory). The bare flag becomes the mode that runs here."""
-    from megatron_ds.parallel.overlap import resolve_mode
+    --sequence-parallel and CUDA (symmetric memory). Without the flag, reorder wherever it can run; the bare flag
+    becomes the mode that runs here; none is off."""
+    from megatron_ds.parallel.overlap import default_mode, resolve_mode
 
     if args.tp_comm_overlap is None:
+        args.tp_comm_overlap = default_mode(dims.tp, args.torch_compile)
+        return
+    if args.tp_comm_overlap == "none":
+        args.tp_comm_overlap = None
         return
     flag = "--tp-comm-overlap"
     if dims.tp == 1:
