@@ -723,7 +723,20 @@ stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradi
   ds_patches
   t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_none -- $M --tp-comm-overlap none  # cold start
   t 170 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M  # the default
+  t 190 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_chunked -- $M --tp-comm-overlap chunked
   t 190 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_pipeline -- $M --tp-comm-overlap pipeline
+}
+
+stage_chunked67() {  # issue 15 on 2 GPUs, one short call: GPT-6.7B TP=2+SP, global batch 16: reorder (the default)
+  # against chunked (each SP GEMM split by sequence chunk, parallel/chunked.py), then chunked's GPU tests
+  local S="--steps 7 --warmup-steps 3"
+  local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 --nproc-per-node 2"
+  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
+  ds_patches
+  t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M  # cold start
+  t 170 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_chunked -- $M --tp-comm-overlap chunked
+  MDS_GPU_REPORT="$OUT/gpu_tests_chunked.json" t ${CHUNKED_LIMIT:-150} $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k "tp2_sp_compile_chunked"
 }
 
 stage_pp2compile() {  # issue 15 on 2 GPUs, one short call: PP=2 compiled against the one-GPU eager curve, then

@@ -126,7 +126,7 @@ class GPTConfig:
     recompute_num_layers: int = 1
     checkpoint_activations: bool = False  # the older switch: = full, uniform
     torch_compile: bool = False  # each TransformerLayer's forward through torch.compile (fused element-wise work)
-    tp_comm_overlap: str | None = None  # "reorder" | "pipeline": compiled TP collectives overlap compute (overlap.py)
+    tp_comm_overlap: str | None = None  # reorder | pipeline | chunked: TP collectives overlap compute (overlap.py)
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
 
@@ -170,9 +170,9 @@ class GPTConfig:
               f"--tp-comm-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.tp_comm_overlap!r}")
         _need(self.tp_comm_overlap is None or self.torch_compile, "--tp-comm-overlap",
               "--tp-comm-overlap is scheduled by torch.compile: it needs the compiled layers")
-        _need(self.tp_comm_overlap != "pipeline" or self.sequence_parallel, "--tp-comm-overlap",
-              "--tp-comm-overlap pipeline splits the sequence-parallel all-gathers and reduce-scatters: it needs "
-              "--sequence-parallel")
+        _need(self.tp_comm_overlap not in ("pipeline", "chunked") or self.sequence_parallel, "--tp-comm-overlap",
+              f"--tp-comm-overlap {self.tp_comm_overlap} splits the sequence-parallel all-gathers and "
+              "reduce-scatters: it needs --sequence-parallel")
 
     @property
     def tied_embeddings(self) -> bool:

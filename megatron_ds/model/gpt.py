@@ -252,6 +252,10 @@ class TransformerLayer(nn.Module):
             for linear in self.modules():
                 if isinstance(linear, ColumnParallelLinear) and isinstance(linear.local, LocalGEMM):
                     linear.local.bias_apart = True
+        if config.tp_comm_overlap == "chunked":  # each sequence-parallel GEMM split by the ranks' chunks
+            for linear in self.modules():
+                if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+                    linear.chunked = True
         if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
             prepare_group(config.tp_comm_overlap, group)
             # eager again, with one warning, if compiling fails

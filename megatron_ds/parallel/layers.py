@@ -4,6 +4,9 @@ Every layer is handed an ``init`` callable that returns the FULL tensor for a sh
 keeps only this rank's slice. Given the same init, TP=N holds exactly the slices of TP=1's weights,
 so the two are equal by construction (at the cost of materialising the full matrix once on CPU).
 
+With ``chunked`` set (``--tp-comm-overlap chunked``, by TransformerLayer) a sequence-parallel linear splits its
+GEMM by the ranks' sequence chunks so its collective runs beside a GEMM (parallel/chunked.py).
+
 Parameter attributes, read by the optimizer side (DeepSpeed's grad-norm, checkpoint converters):
 - ``tensor_model_parallel``: sliced over TP; ``partition_dim`` and ``partition_splits`` say how
   (see ``slice_chunks``);
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_ds.parallel.chunked import gather_then_gemm, gemm_then_scatter
 from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
                                            reduce_scatter_sequence, tp_rank, tp_size)
 
@@ -153,6 +157,7 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and len(splits) > 1:
             raise ValueError("gather_output is for a single (unfused) weight: gathered chunks would interleave")
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.chunked = False
         weight = _param(_slice(init((output_size, input_size)), splits, 0, group), params_dtype,
                         tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
         local_bias = (_param(torch.zeros(output_size // tp_size(group)), params_dtype,
@@ -170,8 +175,11 @@ class ColumnParallelLinear(nn.Module):
         return self.local.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = all_gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = self.local(x)
+        if self.sequence_parallel and self.chunked:
+            y = gather_then_gemm(x, self.local, self.group)
+        else:
+            x = all_gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+            y = self.local(x)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -187,6 +195,7 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.chunked = False
         weight = _param(_slice(init((output_size, input_size)), [input_size], 1, group), params_dtype,
                         tensor_model_parallel=True, partition_dim=1, partition_splits=[input_size])
         self.local = LocalGEMM(weight, None)  # a partial sum: the bias is added once, after the reduction
@@ -199,8 +208,12 @@ class RowParallelLinear(nn.Module):
         return self.local.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.local(x)
-        y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        if self.sequence_parallel and self.chunked:
+            y = gemm_then_scatter(x, self.local, self.group)
+        elif self.sequence_parallel:
+            y = reduce_scatter_sequence(self.local(x), self.group)
+        else:
+            y = reduce_from_tp(self.local(x), self.group)
         if self.bias is not None:
             y = y + tp_replicated(self.bias, self.group, self.sequence_parallel)
         return y

@@ -123,6 +123,21 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _split(_all_reduce(x, group), dim, group)
 
 
+def _all_to_all(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group) -> torch.Tensor:
+    """Dim-0 blocks of ``x`` to each rank (``send_rows[q]`` rows to rank q, in rank order); the blocks received,
+    ``recv_rows[q]`` rows from rank q, stacked in rank order."""
+    x = x.contiguous()
+    if _gloo_16bit(x, group):  # as in _all_gather: gloo moves the bytes of a 16-bit float exactly
+        return _all_to_all(x.view(torch.uint8), send_rows, recv_rows, group).view(x.dtype)
+    if _FUNCTIONAL:
+        from torch.distributed._functional_collectives import all_to_all_single
+
+        return _waited(all_to_all_single(x, recv_rows, send_rows, group))
+    out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, recv_rows, send_rows, group=group)
+    return out
+
+
 class _Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -188,6 +203,17 @@ class _ReduceScatter(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_rows, recv_rows, group):
+        ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
+        return _all_to_all(x, send_rows, recv_rows, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.recv_rows, ctx.send_rows, ctx.group), None, None, None
+
+
 # --- pair 1: replicated input -> partial outputs (column-parallel in, row-parallel out) ---
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -250,3 +276,13 @@ def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     After a row-parallel matmul under sequence parallelism (replaces ``reduce_from_tp``).
     """
     return x if tp_size(group) == 1 else _ReduceScatter.apply(x, 0, group)
+
+
+def exchange_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group) -> torch.Tensor:
+    """Forward: all-to-all of dim-0 blocks (``send_rows[q]`` rows of ``x`` to rank q, ``recv_rows[q]`` from it,
+    stacked in rank order). Backward: the same exchange the other way.
+
+    For a reduce-scatter taken apart (parallel/chunked.py): each rank sends the partial sums it made for the
+    others' sequence chunks and receives theirs for its own.
+    """
+    return _Exchange.apply(x, list(send_rows), list(recv_rows), group)

@@ -13,14 +13,18 @@ collectives are graph nodes (torch's functional ones, see mappings.py), so induc
   of them). Inductor keeps the plain overlap where ``reorder`` already hides a collective. Measured slower than
   ``reorder`` on 2 x H100 (bench/RESULTS.md, sessions 12 and 13), so it runs only when asked for by name.
 
-Both change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
+- ``chunked`` (with ``--sequence-parallel``; not yet measured on GPUs): ``reorder``'s passes, and each
+  sequence-parallel GEMM split by the ranks' sequence chunks (parallel/chunked.py), so the forward's gathers and
+  scatters, too, have a GEMM to run beside, without symmetric memory or extra copies.
+
+All change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
 ``reorder`` is the default wherever it can run (compiled layers, TP > 1): GPT-6.7B TP=2+SP with gradient
 accumulation ran 1.03x none in one call, and no layout measured slower (session 13).
 """
 
 from __future__ import annotations
 
-MODES = ("reorder", "pipeline")
+MODES = ("reorder", "pipeline", "chunked")
 
 # Torch's recommended pass list (torch/_inductor/config.py), where this torch has those passes; the older trio
 # otherwise. Each pass name is a function in torch._inductor.comms.

@@ -142,6 +142,8 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     pytest.param("tp2_compile_no_overlap", [*TP2, "--tp-comm-overlap", "none"], 2, marks=needs(2)),
     pytest.param("tp2_sp_compile_pipeline", [*TP2, "--sequence-parallel", "--tp-comm-overlap", "pipeline"], 2,
                  marks=needs(2)),
+    pytest.param("tp2_sp_compile_chunked", [*TP2, "--sequence-parallel", "--tp-comm-overlap", "chunked"], 2,
+                 marks=needs(2)),
     pytest.param("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], 2, marks=needs(2)),
     pytest.param("zero3_dp2_compile", ["--zero-stage", "3"], 2, marks=needs(2)),
     pytest.param("zero3_compile_1gpu", ["--zero-stage", "3"], 1, marks=needs(1)),
@@ -152,9 +154,9 @@ def test_compile_matches_eager(tmp_path_factory, demo_corpus, name, extra, nproc
     compiled vs 6.38 eager, losses 9.4e-2 off; passes with the functional ones (session 6: within 1.7e-3).
     ZeRO-3, found on one and two H200s: first-step norm 2.53 vs 4.11 (norm, QKV and FC1 gradients zero), because
     dynamo traced DeepSpeed's memory_efficient_linear Function wrongly; off when compiling (session 7: 1 GPU passes).
-    --tp-comm-overlap (reorder, the default under TP; pipeline = torch's asynchronous TP over symmetric memory)
-    moves or splits the TP collectives of the compiled layer: the same sums, so the same bounds; none keeps the
-    plain schedule.
+    --tp-comm-overlap (reorder, the default under TP; pipeline = torch's asynchronous TP over symmetric memory;
+    chunked = each SP GEMM split by sequence chunk) moves or splits the TP collectives of the compiled layer: the
+    same sums, so the same bounds; none keeps the plain schedule.
     Dropout on or off, the same tolerance as every layout: the compiled layers draw the eager masks (ATen's
     dropout kernel, compiled.LAYER_OPTIONS; before session 9 inductor drew its own, and the bounds were 2x)."""
     suffix = "_dropout" if dropout else ""

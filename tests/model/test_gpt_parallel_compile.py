@@ -77,17 +77,20 @@ def test_compiled_tp2_equals_eager_tp2(monkeypatch):
                 close(compiled["grads"][name], grad, f"{case} rank {r} grad of {name}")
 
 
-_COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce_?)\.default\(")
+_COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce_?|all_to_all_single)"
+                         r"\.default\(")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\(")
 _COMPUTE = re.compile(r"extern_kernels\.\w+\(|\b(cpp|triton)_\w+\(|\.run\(")
+_GEMM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
 
 
 def _buffer(call_args: str) -> str:
     return re.match(r"\s*(?:reinterpret_tensor\()?(\w+)", call_args).group(1)
 
 
-def overlapped_collectives(code: str) -> int:
-    """Collectives in inductor's generated code with a kernel launched between their issue and their wait."""
+def overlapped_collectives(code: str, compute: re.Pattern = _COMPUTE) -> int:
+    """Collectives in inductor's generated code with a kernel (``compute``) launched between their issue and their
+    wait."""
     pending: dict[str, bool] = {}
     hidden = 0
     for line in (s.strip() for s in code.splitlines()):
@@ -99,7 +102,7 @@ def overlapped_collectives(code: str) -> int:
             pending[name] = False
         elif _WAIT.search(line):
             hidden += pending.pop(_buffer(line.split(".default(", 1)[1]), False)
-        elif _COMPUTE.search(line):
+        elif compute.search(line):
             pending = dict.fromkeys(pending, True)
     return hidden
 
@@ -117,15 +120,21 @@ def overlap_worker(cases: list[str]) -> dict:
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         for case in cases:
             results[case] = {"eager": run_case(GPTConfig(**CASES[case]), st.tp_group)}
-            for mode in (None, "reorder"):
+            for mode in (None, "reorder", "chunked"):
+                if mode == "chunked" and not CASES[case].get("sequence_parallel"):
+                    continue
                 config = GPTConfig(**dict(CASES[case], torch_compile=True, tp_comm_overlap=mode))
                 result, codes = run_and_get_code(run_case, config, st.tp_group)
-                results[case][mode or "plain"] = dict(result, overlapped=sum(map(overlapped_collectives, codes)),
-                                                      kernels=len(codes))
+                results[case][mode or "plain"] = dict(
+                    result, overlapped=sum(map(overlapped_collectives, codes)), kernels=len(codes),
+                    beside_gemm=sum(overlapped_collectives(code, _GEMM) for code in codes))
     return results
 
 
-def test_tp_comm_overlap_reorder_moves_the_waits_and_keeps_the_sums(monkeypatch):
+def test_tp_comm_overlap_reorder_and_chunked_move_the_waits_and_keep_the_sums(monkeypatch):
+    """reorder: collectives with compute between issue and wait (none in inductor's plain schedule). chunked (SP):
+    more of them with a GEMM in between than reorder manages, since each SP GEMM is split by sequence chunk and the
+    forward's gathers and scatters get one too. Both: the eager sums."""
     if compile_problem() is not None:  # torch 2.1: --torch-compile (and so the overlap) is refused outright
         pytest.skip(compile_problem())
     monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
@@ -138,10 +147,18 @@ def test_tp_comm_overlap_reorder_moves_the_waits_and_keeps_the_sums(monkeypatch)
             assert plain["kernels"] >= 2 and reorder["kernels"] >= 2, f"{case} rank {r}: no generated code captured"
             assert plain["overlapped"] == 0, f"{case} rank {r}: inductor's default schedule waits at once: {plain}"
             assert reorder["overlapped"] >= 1, f"{case} rank {r}: reorder left every wait at its collective"
-            close(reorder["loss"], got["eager"]["loss"], f"{case} rank {r} loss")
-            close(reorder["logits"], got["eager"]["logits"], f"{case} rank {r} logits")
-            for name, grad in got["eager"]["grads"].items():
-                close(reorder["grads"][name], grad, f"{case} rank {r} grad of {name}")
+            overlapped = [reorder]
+            assert ("chunked" in got) == CASES[case].get("sequence_parallel", False), case
+            if "chunked" in got:
+                chunked = got["chunked"]
+                counts = {k: (got[k]["overlapped"], got[k]["beside_gemm"]) for k in ("plain", "reorder", "chunked")}
+                assert chunked["beside_gemm"] > reorder["beside_gemm"], f"{case} rank {r}: {counts}"
+                overlapped.append(chunked)
+            for run in overlapped:
+                close(run["loss"], got["eager"]["loss"], f"{case} rank {r} loss")
+                close(run["logits"], got["eager"]["logits"], f"{case} rank {r} logits")
+                for name, grad in got["eager"]["grads"].items():
+                    close(run["grads"][name], grad, f"{case} rank {r} grad of {name}")
 
 
 # hidden and attention dropout: the core then runs eagerly on the rank's own RNG stream, between two graphs

@@ -63,25 +63,35 @@ def grads_of(module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
+# (sequence parallel, chunked): chunked splits each SP GEMM by the ranks' sequence chunks (parallel/chunked.py)
+LAYOUTS = [(False, False), (True, False), (True, True)]
+
+
+def layout(sp: bool, chunked: bool) -> str:
+    return f"sp{sp}" + ("_chunked" if chunked else "")
+
+
 def tp2_worker() -> dict:
     """Everything at TP=2; returns this rank's outputs and gradients."""
     st = state.get_state()
     group, r = st.tp_group, st.tp_rank
     d = inputs()
     out = {}
-    for sp in (False, True):
+    for sp, chunked in LAYOUTS:
         # Column-parallel, input replicated (or sequence shards under SP), output our columns.
         col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, splits=SPLITS, sequence_parallel=sp)
+        col.chunked = chunked
         x = (shard(d["x"], 0, r) if sp else d["x"]).clone().requires_grad_()
         y = col(x)
         (y * shard(d["dy_out"], -1, r, SPLITS)).sum().backward()
-        out[f"col_sp{sp}"] = (y.detach(), x.grad, grads_of(col))
+        out[f"col_{layout(sp, chunked)}"] = (y.detach(), x.grad, grads_of(col))
         # Row-parallel, input our columns, output summed (or reduce-scattered under SP).
         row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=sp)
+        row.chunked = chunked
         x = shard(d["x_wide"], -1, r).clone().requires_grad_()
         y = row(x)
         (y * (shard(d["dy_in"], 0, r) if sp else d["dy_in"])).sum().backward()
-        out[f"row_sp{sp}"] = (y.detach(), x.grad, grads_of(row))
+        out[f"row_{layout(sp, chunked)}"] = (y.detach(), x.grad, grads_of(row))
     col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, gather_output=True)
     x = d["x"].clone().requires_grad_()
     y = col(x)
@@ -147,12 +157,12 @@ def reference_linear(init, shape, x, dy):
     return y.detach(), x.grad, w.grad, b.grad
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_column_parallel_matches_full_linear(tp2, sp):
+@pytest.mark.parametrize("sp, chunked", LAYOUTS)
+def test_column_parallel_matches_full_linear(tp2, sp, chunked):
     d = inputs()
     y, dx, dw, db = reference_linear(col_init(), (H_OUT, H_IN), d["x"], d["dy_out"])
     for r, res in enumerate(tp2):
-        y_r, dx_r, g = res[f"col_sp{sp}"]
+        y_r, dx_r, g = res[f"col_{layout(sp, chunked)}"]
         close(y_r, shard(y, -1, r, SPLITS), f"rank {r} output")
         close(dx_r, shard(dx, 0, r) if sp else dx, f"rank {r} input grad")
         close(g["local.weight"], shard(dw, 0, r, SPLITS), f"rank {r} weight grad")
@@ -169,17 +179,50 @@ def test_column_parallel_gather_output(tp2):
         close(g["local.weight"], shard(dw, 0, r), f"rank {r} weight grad")
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_row_parallel_matches_full_linear(tp2, sp):
+@pytest.mark.parametrize("sp, chunked", LAYOUTS)
+def test_row_parallel_matches_full_linear(tp2, sp, chunked):
     d = inputs()
     y, dx, dw, db = reference_linear(row_init(), (H_IN, H_OUT), d["x_wide"], d["dy_in"])
     for r, res in enumerate(tp2):
-        y_r, dx_r, g = res[f"row_sp{sp}"]
+        y_r, dx_r, g = res[f"row_{layout(sp, chunked)}"]
         close(y_r, shard(y, 0, r) if sp else y, f"rank {r} output")
         close(dx_r, shard(dx, -1, r), f"rank {r} input grad")
         close(g["local.weight"], shard(dw, 1, r), f"rank {r} weight grad")
         # Under SP each rank holds a partial bias gradient until it is summed over TP in backward.
         close(g["bias"], db, f"rank {r} bias grad")
+
+
+def tp3_chunked_worker() -> dict:
+    """Chunked SP linears at TP=3: more than one other rank, and a rank in the middle (the general path)."""
+    st = state.get_state()
+    group, r = st.tp_group, st.tp_rank
+    d = inputs()
+    col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, sequence_parallel=True)
+    row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=True)
+    col.chunked = row.chunked = True
+    x = d["x"].chunk(3)[r].clone().requires_grad_()
+    y = col(x)
+    (y * d["dy_out"].chunk(3, -1)[r]).sum().backward()
+    x_wide = d["x_wide"].chunk(3, -1)[r].clone().requires_grad_()
+    z = row(x_wide)
+    (z * d["dy_in"].chunk(3)[r]).sum().backward()
+    return {"col": (y.detach(), x.grad, grads_of(col)), "row": (z.detach(), x_wide.grad, grads_of(row))}
+
+
+def test_chunked_sequence_parallel_linears_match_the_full_ones_at_tp3():
+    d = inputs()
+    col = reference_linear(col_init(), (H_OUT, H_IN), d["x"], d["dy_out"])
+    row = reference_linear(row_init(), (H_IN, H_OUT), d["x_wide"], d["dy_in"])
+    for r, res in enumerate(run_on_ranks(tp3_chunked_worker, 3, tp=3)):
+        y, dx, g = res["col"]
+        close(y, col[0].chunk(3, -1)[r], f"rank {r} column output")
+        close(dx, col[1].chunk(3)[r], f"rank {r} column input grad")
+        close(g["local.weight"], col[2].chunk(3)[r], f"rank {r} column weight grad")
+        z, dx_wide, g = res["row"]
+        close(z, row[0].chunk(3)[r], f"rank {r} row output")
+        close(dx_wide, row[1].chunk(3, -1)[r], f"rank {r} row input grad")
+        close(g["local.weight"], row[2].chunk(3, 1)[r], f"rank {r} row weight grad")
+        close(g["bias"], row[3], f"rank {r} row bias grad")
 
 
 def test_vocab_parallel_embedding_matches_full(tp2):

@@ -260,6 +260,11 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     assert mode("--tp-comm-overlap", "pipeline", "--sequence-parallel") == "pipeline"
     check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "pipeline"], 2, "--tp-comm-overlap",
           "it needs --sequence-parallel")
+    check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "chunked"], 2, "--tp-comm-overlap",
+          "chunked splits the sequence-parallel all-gathers and reduce-scatters: it needs --sequence-parallel")
+    assert mode("--tp-comm-overlap", "chunked", "--sequence-parallel") == "chunked"
+    check(files, [*tp2, "--torch-compile", "--sequence-parallel", "--tp-comm-overlap", "chunked", "--bf16",
+                  "--fp8-format", "hybrid"], 2, "--tp-comm-overlap", "use reorder with FP8")
 
 
 def test_deepspeed_config_must_agree(files):

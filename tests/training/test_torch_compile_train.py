@@ -78,17 +78,20 @@ def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, ea
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
 
 
-def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
-    """Compiled TP=2 with sequence parallelism on two gloo ranks, no overlap flag given: reorder is the default
-    there, the start-up line names it and the losses are the one-rank eager ones (the schedule moves, the sums do
-    not; tests/model has the moved waits themselves, test_arguments the flag's spellings)."""
+@pytest.mark.parametrize("flags, mode", [([], "reorder"), (["--tp-comm-overlap", "chunked"], "chunked")],
+                         ids=["default", "chunked"])
+def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_factory, demo_corpus, eager, flags, mode):
+    """Compiled TP=2 with sequence parallelism on two gloo ranks: with no overlap flag (reorder is the default
+    there) and with chunked. The start-up line names the mode and the losses are the one-rank eager ones (the
+    schedule moves, the sums do not; tests/model has the moved waits themselves, test_arguments the flag's
+    spellings)."""
     from megatron_ds.torch_support import compile_problem
 
     if compile_problem():  # torch 2.1: as above
         pytest.skip(compile_problem())
-    run = compiled_run(tmp_path_factory, demo_corpus, "compiled_tp2_overlap", nproc=2,
-                       extra=["--tensor-model-parallel-size", "2", "--sequence-parallel"])
-    assert "torch.compile on (TP comm overlap: reorder)" in run["stdout"], run["stdout"][-2000:]
+    run = compiled_run(tmp_path_factory, demo_corpus, f"compiled_tp2_overlap_{mode}", nproc=2,
+                       extra=["--tensor-model-parallel-size", "2", "--sequence-parallel", *flags])
+    assert f"torch.compile on (TP comm overlap: {mode})" in run["stdout"], run["stdout"][-2000:]
     assert "WARNING" not in run["stderr"], run["stderr"][-3000:]
     for a, b in zip(losses(run), losses(eager), strict=True):
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))

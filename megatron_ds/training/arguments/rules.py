@@ -490,8 +490,8 @@ def _inductor_options(args: argparse.Namespace) -> None:
 
 
 def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
-    """--tp-comm-overlap is a schedule the compiler makes: it needs TP > 1 and the compiled layers; pipeline also
-    --sequence-parallel and CUDA (symmetric memory). Without the flag, reorder wherever it can run; the bare flag
+    """--tp-comm-overlap is a schedule the compiler makes: it needs TP > 1 and the compiled layers; pipeline and
+    chunked also --sequence-parallel, pipeline CUDA as well (symmetric memory). Without the flag, reorder wherever it can run; the bare flag
     becomes the mode that runs here; none is off."""
     from megatron_ds.parallel.overlap import default_mode, resolve_mode
 
@@ -509,9 +509,15 @@ def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
                           "or eager by default: CPU, ROCm, or a layout mds does not compile); give --torch-compile "
                           "or drop the flag")
     mode = resolve_mode(args.tp_comm_overlap)
-    if mode == "pipeline" and not args.sequence_parallel:
-        raise ConfigError(flag, "pipeline splits the sequence-parallel all-gathers and reduce-scatters: it needs "
+    if mode in ("pipeline", "chunked") and not args.sequence_parallel:
+        raise ConfigError(flag, f"{mode} splits the sequence-parallel all-gathers and reduce-scatters: it needs "
                           "--sequence-parallel (reorder works without)")
+    if mode == "chunked":
+        from megatron_ds.precision.fp8 import fp8_requested
+
+        if fp8_requested(args) is not None:
+            raise ConfigError(flag, "chunked splits each GEMM by sequence chunk, and FP8 would then scale each "
+                              "chunk on its own (untested): use reorder with FP8")
     if mode == "pipeline" and not cuda_gpu_visible():
         raise ConfigError(flag, "pipeline exchanges its chunks through CUDA symmetric memory and no CUDA GPU is "
                           "visible here (reorder runs wherever the layers compile)")
