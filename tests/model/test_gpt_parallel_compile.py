@@ -77,8 +77,8 @@ def test_compiled_tp2_equals_eager_tp2(monkeypatch):
                 close(compiled["grads"][name], grad, f"{case} rank {r} grad of {name}")
 
 
-_COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce_?|all_to_all_single)"
-                         r"\.default\(")
+_COLLECTIVE = re.compile(r"_c10d_functional\."
+                         r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce_?|all_to_all_single)\.default\(")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\(")
 _COMPUTE = re.compile(r"extern_kernels\.\w+\(|\b(cpp|triton)_\w+\(|\.run\(")
 _GEMM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")

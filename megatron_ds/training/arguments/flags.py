@@ -29,7 +29,7 @@ NO_OP_SWITCHES = {
                              "fused bias-GeLU computes)",
     "--no-bias-dropout-fusion": "mds has no bias-dropout fusion kernel",
     "--no-gradient-accumulation-fusion": "mds has no gradient-accumulation fusion kernel",
-    "--no-async-tensor-model-parallel-allreduce": "the compiled layers overlap TP communication (--tp-comm-overlap none: off)",
+    "--no-async-tensor-model-parallel-allreduce": "compiled layers overlap TP comms (off: --tp-comm-overlap none)",
     "--no-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
     "--apply-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
     "--attention-softmax-in-fp32": "attention softmax always runs in fp32 or inside the flash kernel",

@@ -491,14 +491,15 @@ def _inductor_options(args: argparse.Namespace) -> None:
 
 def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
     """--tp-comm-overlap is a schedule the compiler makes: it needs TP > 1 and the compiled layers; pipeline and
-    chunked also --sequence-parallel, pipeline CUDA as well (symmetric memory). Without the flag, reorder wherever it can run; the bare flag
-    becomes the mode that runs here; none is off."""
+    chunked also --sequence-parallel, pipeline CUDA as well (symmetric memory). Without the flag, reorder wherever
+    it can run; the bare flag becomes the mode that runs here; none is off."""
     from megatron_ds.parallel.overlap import default_mode, resolve_mode
 
     if args.tp_comm_overlap is None:
         args.tp_comm_overlap = default_mode(dims.tp, args.torch_compile)
         return
-    if args.tp_comm_overlap == "none":
+    mode = resolve_mode(args.tp_comm_overlap)
+    if mode is None:  # none: off, whatever the layout
         args.tp_comm_overlap = None
         return
     flag = "--tp-comm-overlap"
@@ -508,7 +509,6 @@ def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
         raise ConfigError(flag, "the overlap is scheduled by torch.compile, which is off here (--no-torch-compile, "
                           "or eager by default: CPU, ROCm, or a layout mds does not compile); give --torch-compile "
                           "or drop the flag")
-    mode = resolve_mode(args.tp_comm_overlap)
     if mode in ("pipeline", "chunked") and not args.sequence_parallel:
         raise ConfigError(flag, f"{mode} splits the sequence-parallel all-gathers and reduce-scatters: it needs "
                           "--sequence-parallel (reorder works without)")
