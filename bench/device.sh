@@ -686,12 +686,14 @@ stage_tppipelinetests() {  # issue 15 on 2 GPUs: compiled TP=2+SP with --tp-comm
 
 stage_tpprofile() {  # issue 15 on 2 GPUs: where the GPT-6.7B TP=2+SP step with the default flags goes (GEMM,
   # attention, NCCL, fused element-wise, idle), profiled on both ranks as `entrypoint train` builds it (session 13
-  # profiled it before reorder became the default)
+  # profiled it before reorder became the default). TP_OVERLAP=chunked (or another mode) profiles that mode.
+  local mode=${TP_OVERLAP:-default} flag=""
+  [ "$mode" = default ] || flag="--tp-comm-overlap $mode"
   ds_patches
-  t 360 $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py --steps 10 \
-    --variant compile --out "$LOGS/profile_tp2_sp_gpt6_7b.txt" -- --preset GPT6_7B --bf16 --micro-batch-size 4 \
-    --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel
-  cp "$LOGS"/profile_tp2_sp_gpt6_7b.* "$OUT"/ 2>/dev/null
+  t ${PROFILE_LIMIT:-360} $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py \
+    --steps 10 --variant compile --out "$LOGS/profile_tp2_sp_gpt6_7b_$mode.txt" -- --preset GPT6_7B --bf16 \
+    --micro-batch-size 4 --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel $flag
+  cp "$LOGS"/profile_tp2_sp_gpt6_7b_$mode.* "$OUT"/ 2>/dev/null
 }
 
 stage_zero3x2() {  # issue 15 on 2 GPUs: ZeRO-3 DP=2 compiled over NCCL against the one-GPU curve and against

@@ -65,6 +65,25 @@ def kernel_time_by_kind(prof, steps: int) -> dict:
             "first_to_last_kernel_ms_per_step": round((last - first) / 1e3 / steps, 1), **idle_gaps(spans, steps)}
 
 
+def copies_by_caller(prof, steps: int, top: int = 12) -> list:
+    """Device-to-device copies and fills per step, by the CPU ops that launched them (the op and three callers):
+    a TP step spends ~15 ms in ~900 of them, and the kernel table cannot say whose they are."""
+    callers: dict[str, list[float]] = {}
+    for event in prof.events():
+        copies = [k for k in getattr(event, "kernels", []) if "memcpy" in k.name.lower() or "memset" in k.name.lower()]
+        if not copies or event.name == "Command Buffer Full":  # a runtime marker the profiler links to every kernel
+            continue
+        chain, parent = [event.name], event.cpu_parent
+        while parent is not None and len(chain) < 4:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        entry = callers.setdefault(" < ".join(chain), [0.0, 0])
+        entry[0] += sum(k.duration for k in copies) / 1e3  # us -> ms
+        entry[1] += len(copies)
+    ranked = sorted(callers.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[round(ms / steps, 2), round(n / steps, 1), chain] for chain, (ms, n) in ranked]
+
+
 def idle_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 12) -> dict:
     """Where the GPU sits idle between kernels (us spans): the total per step, split into the gaps under 20 us
     (launch latency between queued kernels) and the longer ones (the GPU waited for the host), and the longest
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         except (AttributeError, KeyError, ValueError):
             table = prof.key_averages().table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)
         summary["by_kind"] = kernel_time_by_kind(prof, profiled_steps)
+        summary["copies_by_caller"] = copies_by_caller(prof, profiled_steps)  # [ms per step, count per step, ops]
         print("[profile] by kind " + json.dumps(summary["by_kind"]), flush=True)
         if args.out:
             args.out.write_text(f"{json.dumps(summary)}\n\n{table}\n")

@@ -13,9 +13,10 @@ collectives are graph nodes (torch's functional ones, see mappings.py), so induc
   of them). Inductor keeps the plain overlap where ``reorder`` already hides a collective. Measured slower than
   ``reorder`` on 2 x H100 (bench/RESULTS.md, sessions 12 and 13), so it runs only when asked for by name.
 
-- ``chunked`` (with ``--sequence-parallel``; not yet measured on GPUs): ``reorder``'s passes, and each
-  sequence-parallel GEMM split by the ranks' sequence chunks (parallel/chunked.py), so the forward's gathers and
-  scatters, too, have a GEMM to run beside, without symmetric memory or extra copies.
+- ``chunked`` (with ``--sequence-parallel``): ``reorder``'s passes, and each sequence-parallel GEMM split by
+  the ranks' sequence chunks (parallel/chunked.py), so the forward's gathers and scatters, too, have a GEMM to
+  run beside, without symmetric memory. It does hide NCCL, but the half-height GEMMs, the partial sums' adds and
+  the backward's extra exchanges cost more: 0.965x ``reorder`` on 2 x H100 (session 14), so opt-in.
 
 All change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
 ``reorder`` is the default wherever it can run (compiled layers, TP > 1): GPT-6.7B TP=2+SP with gradient

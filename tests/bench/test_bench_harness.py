@@ -119,6 +119,37 @@ def test_kernel_time_by_kind_counts_kernels_not_the_annotations_around_them():
     assert summary["kernels_total_ms_per_step"] == summary["first_to_last_kernel_ms_per_step"] == 1.1
 
 
+def test_copies_by_caller_names_the_ops_that_launched_the_copies():
+    """The TP step's ~900 device-to-device copies, attributed to the CPU op chain that launched them (events as
+    torch's profiler links them: kernels appended to their launching op, ops to their parents)."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from bench.profile_train import copies_by_caller
+
+    def op(name, parent=None):
+        event = FunctionEvent(0, name, 0, 0, 10)
+        if parent is not None:
+            event.set_cpu_parent(parent)
+        return event
+
+    step = op("step")
+    collective = op("c10d::allgather_into_tensor_coalesced_", op("_c10d_functional::all_gather_into_tensor", step))
+    for _ in range(3):
+        collective.append_kernel("Memcpy DtoD (Device -> Device)", 0, 20.0)  # us
+    gemm = op("aten::mm", step)
+    gemm.append_kernel("nvjet_sm90_gemm", 0, 500.0)  # not a copy
+    fill = op("aten::zero_", step)
+    fill.append_kernel("Memset (Device)", 0, 4.0)
+
+    class Profile:
+        def events(self):
+            return [step, collective.cpu_parent, collective, gemm, fill]
+
+    rows = copies_by_caller(Profile(), steps=2)
+    assert rows == [[0.03, 1.5, "c10d::allgather_into_tensor_coalesced_ < _c10d_functional::all_gather_into_tensor"
+                     " < step"], [0.0, 0.5, "aten::zero_ < step"]]
+
+
 _BUILD_ON_A_RANK = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
