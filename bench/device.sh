@@ -729,16 +729,38 @@ stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradi
   t 190 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_pipeline -- $M --tp-comm-overlap pipeline
 }
 
-stage_chunked67() {  # issue 15 on 2 GPUs, one short call: GPT-6.7B TP=2+SP, global batch 16: reorder (the default)
-  # against chunked (each SP GEMM split by sequence chunk, parallel/chunked.py), then chunked's GPU tests
+overlap_vs_reorder() {  # GPT-6.7B TP=2+SP, global batch 16: reorder (the default) against --tp-comm-overlap $1 in
+  # one call, then that mode's GPU tests (tp2_sp_compile_$1; $2 bounds them)
   local S="--steps 7 --warmup-steps 3"
   local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 --nproc-per-node 2"
   M="$M --tensor-model-parallel-size 2 --sequence-parallel"
   ds_patches
   t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M  # cold start
-  t 170 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_chunked -- $M --tp-comm-overlap chunked
-  MDS_GPU_REPORT="$OUT/gpu_tests_chunked.json" t ${CHUNKED_LIMIT:-150} $PYTHON -m pytest -m gpu tests/gpu -q -rA \
-    -p no:cacheprovider -k "tp2_sp_compile_chunked"
+  t 170 $B $S --name "gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_$1" -- $M --tp-comm-overlap "$1"
+  MDS_GPU_REPORT="$OUT/gpu_tests_$1.json" t "$2" $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "tp2_sp_compile_$1"
+}
+
+stage_chunked67() {  # issue 15 on 2 GPUs, one short call: chunked (each SP GEMM split by sequence chunk,
+  # parallel/chunked.py) against reorder, then its GPU tests
+  overlap_vs_reorder chunked "${CHUNKED_LIMIT:-150}"
+}
+
+stage_wgrad67() {  # issue 15 on 2 GPUs, one short call: wgrad (weight-gradient GEMMs moved into the backward
+  # collectives' windows, parallel/collective_windows.py) against reorder, then its GPU tests
+  # (TP_OVERLAP=wgrad bash bench/device.sh tpprofile profiles its step)
+  overlap_vs_reorder wgrad "${WGRAD_LIMIT:-150}"
+}
+
+stage_tpgbs() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with the default flags (reorder) at global
+  # batch 16 and 64: the boundary (optimizer step 43 ms, ZeRO-1's gradient copies ~19 ms) paid once per 4 or 16
+  # micro-batches, as training runs with Megatron's global batches (GPT-3 6.7B: 1024 sequences)
+  local S="--steps 6 --warmup-steps 2"
+  local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2"
+  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
+  ds_patches
+  t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M --global-batch-size 16  # cold start
+  t 200 $B $S --name gpt6_7b_s2048_mbs4_gbs64_z1_tp2_sp_reorder -- $M --global-batch-size 64
 }
 
 stage_pp2compile() {  # issue 15 on 2 GPUs, one short call: PP=2 compiled against the one-GPU eager curve, then

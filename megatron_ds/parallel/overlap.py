@@ -1,12 +1,13 @@
 """Tensor-parallel communication overlapped with compute by the compiler (``--tp-comm-overlap``).
 
 Eager layers issue each TP collective where the math needs it and wait for it at once. In a compiled layer the
-collectives are graph nodes (torch's functional ones, see mappings.py), so inductor may move them; two levers:
+collectives are graph nodes (torch's functional ones, see mappings.py), so inductor may move them; the modes:
 
 - ``reorder``: inductor's compute/communication reordering issues each collective as early as its input allows
-  and waits as late as its first consumer allows (within the peak memory of the plain schedule). In backward
-  the gradient all-reduces / reduce-scatters and the re-gathers of sequence shards then run beside the
-  independent weight-gradient GEMMs: what Megatron's asynchronous TP all-reduce does by hand.
+  and waits as late as its first consumer allows (within the peak memory of the plain schedule). It moves
+  collectives and waits, not compute, so it hides only what the schedule already puts between them: in our
+  layers' backward the norms' small all-reduces, since inductor's peak-memory pass puts the weight-gradient
+  GEMMs at the end of the graph (session 14's generated code).
 - ``pipeline`` (with ``--sequence-parallel``, on CUDA): torch's asynchronous TP as well. Each all-gather ->
   GEMM and GEMM -> reduce-scatter pair becomes one fused op that works through the ranks' chunks over symmetric
   memory, so the forward's sequence gathers overlap their own GEMM (nothing else in the forward is independent
@@ -18,6 +19,11 @@ collectives are graph nodes (torch's functional ones, see mappings.py), so induc
   run beside, without symmetric memory. It does hide NCCL, but the half-height GEMMs, the partial sums' adds and
   the backward's extra exchanges cost more: 0.965x ``reorder`` on 2 x H100 (session 14), so opt-in.
 
+- ``wgrad``: ``reorder``'s passes, then ours (parallel/collective_windows.py), which moves an independent GEMM
+  (in backward, a weight gradient) between each collective's issue and its wait, as Megatron's asynchronous TP
+  all-reduce does by hand: three of the four backward collectives of a sequence-parallel layer get one. Not yet
+  measured on GPUs.
+
 All change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
 ``reorder`` is the default wherever it can run (compiled layers, TP > 1): GPT-6.7B TP=2+SP with gradient
 accumulation ran 1.03x none in one call, and no layout measured slower (session 13).
@@ -25,7 +31,7 @@ accumulation ran 1.03x none in one call, and no layout measured slower (session 
 
 from __future__ import annotations
 
-MODES = ("reorder", "pipeline", "chunked")
+MODES = ("reorder", "pipeline", "chunked", "wgrad")
 
 # Torch's recommended pass list (torch/_inductor/config.py), where this torch has those passes; the older trio
 # otherwise. Each pass name is a function in torch._inductor.comms.
@@ -61,6 +67,10 @@ def inductor_options(mode: str | None) -> dict | None:
     passes = _passes()
     if passes is None:
         raise RuntimeError("this torch's inductor has none of the compute/communication reordering passes mds uses")
+    if mode == "wgrad":
+        from megatron_ds.parallel.collective_windows import register
+
+        passes = [*passes, register()]
     options = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": passes}
     if mode == "pipeline":
         options["_micro_pipeline_tp"] = True

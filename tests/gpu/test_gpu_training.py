@@ -144,6 +144,8 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
                  marks=needs(2)),
     pytest.param("tp2_sp_compile_chunked", [*TP2, "--sequence-parallel", "--tp-comm-overlap", "chunked"], 2,
                  marks=needs(2)),
+    pytest.param("tp2_sp_compile_wgrad", [*TP2, "--sequence-parallel", "--tp-comm-overlap", "wgrad"], 2,
+                 marks=needs(2)),
     pytest.param("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], 2, marks=needs(2)),
     pytest.param("zero3_dp2_compile", ["--zero-stage", "3"], 2, marks=needs(2)),
     pytest.param("zero3_compile_1gpu", ["--zero-stage", "3"], 1, marks=needs(1)),

@@ -263,6 +263,8 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "chunked"], 2, "--tp-comm-overlap",
           "chunked splits the sequence-parallel all-gathers and reduce-scatters: it needs --sequence-parallel")
     assert mode("--tp-comm-overlap", "chunked", "--sequence-parallel") == "chunked"
+    assert mode("--tp-comm-overlap", "wgrad") == "wgrad"  # with or without SP
+    assert mode("--tp-comm-overlap", "wgrad", "--sequence-parallel") == "wgrad"
     check(files, [*tp2, "--torch-compile", "--sequence-parallel", "--tp-comm-overlap", "chunked", "--bf16",
                   "--fp8-format", "hybrid"], 2, "--tp-comm-overlap", "use reorder with FP8")
 

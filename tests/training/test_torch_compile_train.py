@@ -78,11 +78,12 @@ def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, ea
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
 
 
-@pytest.mark.parametrize("flags, mode", [([], "reorder"), (["--tp-comm-overlap", "chunked"], "chunked")],
-                         ids=["default", "chunked"])
+@pytest.mark.parametrize("flags, mode", [([], "reorder"), (["--tp-comm-overlap", "chunked"], "chunked"),
+                                         (["--tp-comm-overlap", "wgrad"], "wgrad")],
+                         ids=["default", "chunked", "wgrad"])
 def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_factory, demo_corpus, eager, flags, mode):
     """Compiled TP=2 with sequence parallelism on two gloo ranks: with no overlap flag (reorder is the default
-    there) and with chunked. The start-up line names the mode and the losses are the one-rank eager ones (the
+    there), with chunked and with wgrad. The start-up line names the mode and the losses are the one-rank eager ones (the
     schedule moves, the sums do not; tests/model has the moved waits themselves, test_arguments the flag's
     spellings)."""
     from megatron_ds.torch_support import compile_problem

@@ -173,14 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-comm-overlap", nargs="?", const="auto", choices=["auto", "none", *OVERLAP_MODES],
                    help="overlap tensor-parallel communication with compute in the compiled layers (needs TP > 1 "
                         "and torch.compile). reorder: inductor issues each TP collective early and waits for it "
-                        "late, so backward's all-reduces, reduce-scatters and re-gathers run beside the "
-                        "weight-gradient GEMMs. pipeline (with --sequence-parallel, CUDA): also torch's "
-                        "asynchronous TP, which splits each all-gather -> GEMM and GEMM -> reduce-scatter into "
-                        "chunks over symmetric memory. chunked (with --sequence-parallel): reorder, and each "
-                        "sequence-parallel GEMM split by the ranks' sequence chunks so the forward's gathers and "
-                        "scatters run beside a GEMM too. The bare flag: reorder. Default: reorder wherever the "
-                        "layers compile with TP > 1 (GPT-6.7B TP=2+SP on 2 x H100: 1.03x none; pipeline "
-                        "0.87-0.97x; chunked 0.965x reorder), else off. none: off")
+                        "late. wgrad: reorder, then a pass that moves a weight-gradient GEMM between each "
+                        "backward collective's issue and its wait. pipeline (with --sequence-parallel, CUDA): "
+                        "also torch's asynchronous TP, which splits each all-gather -> GEMM and GEMM -> "
+                        "reduce-scatter into chunks over symmetric memory. chunked (with --sequence-parallel): "
+                        "reorder, and each sequence-parallel GEMM split by the ranks' sequence chunks so the "
+                        "forward's gathers and scatters run beside a GEMM too. The bare flag: reorder. Default: "
+                        "reorder wherever the layers compile with TP > 1 (GPT-6.7B TP=2+SP on 2 x H100: 1.03x "
+                        "none; pipeline 0.87-0.97x; chunked 0.965x reorder), else off. none: off")
 
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", default=None)
