@@ -17,7 +17,7 @@ version in ``PASS_NAME`` whenever the schedule it makes changes.
 
 from __future__ import annotations
 
-PASS_NAME = "mds_fill_collective_windows_v1"
+PASS_NAME = "mds_fill_collective_windows_v2"
 _GEMMS = ("extern_kernels.mm", "extern_kernels.addmm", "extern_kernels.bmm")
 
 
@@ -37,7 +37,9 @@ def fill_collective_windows(snodes: list) -> list:
     while i < len(order):
         collective = order[i]
         wait = _wait_index(order, i, needs) if _is_big_collective(collective) else None
-        if wait is not None and not any(_is_gemm(node) for node in order[i + 1:wait]):
+        beside = [node for node in order[i + 1:wait] if _is_gemm(node)] if wait is not None else []
+        placed.update(beside)  # a window that has its GEMM keeps it: no later window takes it away
+        if wait is not None and not beside:
             pick = _gemm_before(order, i, placed, needs)
             if pick is None:
                 pick = _gemm_after(order, i, wait, placed, needs)

@@ -71,3 +71,13 @@ def test_a_dependency_torchs_passes_already_reordered_is_left_to_them():
     needs = cw._dependencies(order)
     assert needs[order[0]] == set()
     cw._check(order, needs)
+
+
+def test_a_window_keeps_the_gemm_it_already_has(monkeypatch):
+    # two collectives; the first already has a GEMM in its window, the second none: the first keeps its GEMM
+    monkeypatch.setattr(cw, "_is_big_collective", lambda node: node.name.startswith("rs"))
+    monkeypatch.setattr(cw, "_wait_index", lambda order, at, needs: next(
+        j for j in range(at + 1, len(order)) if order[at] in needs[order[j]] and order[j].name.startswith("wait")))
+    order = nodes(("a", (), None), ("rs1", ("a",), None), ("beside", ("a",), MM), ("wait1", ("rs1",), None),
+                  ("b", ("wait1",), None), ("rs2", ("b",), None), ("wait2", ("rs2",), None))
+    assert [n.name for n in cw.fill_collective_windows(order)] == [n.name for n in order]
