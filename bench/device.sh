@@ -25,6 +25,9 @@ mkdir -p "$LOGS"
 
 B="$PYTHON bench/bench_train.py"
 GPT13="--preset GPT1_3B --bf16"
+# GPT-6.7B TP=2+SP on two GPUs, micro batch 4, ZeRO-1: the issue-15 TP layout
+GPT67_TP2SP="--preset GPT6_7B --bf16 --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2"
+GPT67_TP2SP="$GPT67_TP2SP --tensor-model-parallel-size 2 --sequence-parallel"
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
 
@@ -720,8 +723,7 @@ stage_ncclprobe() {  # issue 15 on 2 GPUs: NCCL's all-gather / reduce-scatter of
 stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradient accumulation (micro batch 4,
   # global batch 16), so the optimizer step (45 ms at global batch 4) is paid once per 4 micro-batches; each lever
   local S="--steps 7 --warmup-steps 3"
-  local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 --nproc-per-node 2"
-  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
+  local M="$GPT67_TP2SP --global-batch-size 16"
   ds_patches
   t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_none -- $M --tp-comm-overlap none  # cold start
   t 170 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M  # the default
@@ -732,8 +734,7 @@ stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradi
 overlap_vs_reorder() {  # GPT-6.7B TP=2+SP, global batch 16: reorder (the default) against --tp-comm-overlap $1 in
   # one call, then that mode's GPU tests (tp2_sp_compile_$1; $2 bounds them)
   local S="--steps 7 --warmup-steps 3"
-  local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 --nproc-per-node 2"
-  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
+  local M="$GPT67_TP2SP --global-batch-size 16"
   ds_patches
   t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M  # cold start
   t 170 $B $S --name "gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_$1" -- $M --tp-comm-overlap "$1"
@@ -756,8 +757,7 @@ stage_tpgbs() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with the defau
   # batch 16 and 64: the boundary (optimizer step 43 ms, ZeRO-1's gradient copies ~19 ms) paid once per 4 or 16
   # micro-batches, as training runs with Megatron's global batches (GPT-3 6.7B: 1024 sequences)
   local S="--steps 6 --warmup-steps 2"
-  local M="--preset GPT6_7B --bf16 --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2"
-  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
+  local M="$GPT67_TP2SP"
   ds_patches
   t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder -- $M --global-batch-size 16  # cold start
   t 200 $B $S --name gpt6_7b_s2048_mbs4_gbs64_z1_tp2_sp_reorder -- $M --global-batch-size 64

@@ -37,9 +37,12 @@ def fill_collective_windows(snodes: list) -> list:
     while i < len(order):
         collective = order[i]
         wait = _wait_index(order, i, needs) if _is_big_collective(collective) else None
-        beside = [node for node in order[i + 1:wait] if _is_gemm(node)] if wait is not None else []
+        if wait is None:
+            i += 1
+            continue
+        beside = [node for node in order[i + 1:wait] if _is_gemm(node)]
         placed.update(beside)  # a window that has its GEMM keeps it: no later window takes it away
-        if wait is not None and not beside:
+        if not beside:
             pick = _gemm_before(order, i, placed, needs)
             if pick is None:
                 pick = _gemm_after(order, i, wait, placed, needs)
@@ -70,19 +73,23 @@ def _dependencies(order: list) -> dict:
 def _gemm_before(order: list, at: int, placed: set, needs: dict) -> int | None:
     """The closest GEMM before the collective at ``at`` that nothing up to the collective needs: moved later, into
     the window."""
+    needed = set(needs[order[at]])  # what the nodes from the candidate on, up to the collective, need
     for j in range(at - 1, -1, -1):
         node = order[j]
-        if _is_gemm(node) and node not in placed and all(node not in needs[later] for later in order[j + 1:at + 1]):
+        if _is_gemm(node) and node not in placed and node not in needed:
             return j
+        needed |= needs[node]
     return None
 
 
 def _gemm_after(order: list, at: int, wait: int, placed: set, needs: dict) -> int | None:
     """The first GEMM after the wait that needs nothing from the collective on: moved earlier, into the window."""
+    passed = set(order[at:wait + 1])  # the nodes a candidate would move ahead of
     for j in range(wait + 1, len(order)):
         node = order[j]
-        if _is_gemm(node) and node not in placed and not needs[node] & set(order[at:j]):
+        if _is_gemm(node) and node not in placed and not needs[node] & passed:
             return j
+        passed.add(node)
     return None
 
 

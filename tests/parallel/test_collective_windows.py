@@ -19,7 +19,7 @@ class Node:
     """What the pass reads of an inductor scheduler node: names, dependencies, the kernel it calls."""
 
     def __init__(self, name: str, needs: tuple[str, ...] = (), kernel: str | None = None):
-        self.name, self.kernel = name, kernel
+        self.name = name
         self.unmet_dependencies = {Dep(f"{n}_buf") for n in needs}
         self.node = SimpleNamespace(python_kernel_name=kernel)
 
