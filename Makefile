@@ -114,13 +114,17 @@ TORCH21_TESTS ?= tests/training tests/model tests/parallel tests/images/test_old
 # deselected (and the model-level tests/model/test_gpt_ulysses.py);
 # test_ulysses_is_refused_at_validation_where_deepspeed_cannot_run_it checks the refusal here.
 TORCH21_DESELECT ?= -k "not test_zero_stages_match_zero0 and not test_bf16_without_zero_matches_zero1 and not (test_tp2_pp2_sequence_parallel_matches_tp1 and zero1) and not test_smallest_scripts_train_end_to_end_on_cpu and not ulysses2_matches and not ulysses4_matches and not ulysses2_with and not test_ulysses_checkpoint and not test_alcf_sp_type_ds and not test_gpt_ulysses"
+# No pip cache (it would hold a second copy of the ~2.5 GB of wheels); patient with the registry.
+TORCH21_PIP = $(TORCH21_VENV)/bin/python -m pip install -q --no-cache-dir --retries 10 --timeout 60 \
+  -c $(TORCH21_VENV)/constraints.txt torch "deepspeed==$(DEEPSPEED_PIN)" -e ".[test]"
 .PHONY: test-torch21 oldest-stack-sources
 
 test-torch21: oldest-stack-sources ## CPU model/training tests on torch 2.1.2 + the pinned DeepSpeed (cuda/versions), in .venv-torch21
 	test -x $(TORCH21_VENV)/bin/python || $(PYTHON) -m venv $(TORCH21_VENV)
 	printf 'torch==2.1.2\nnumpy<2\n' > $(TORCH21_VENV)/constraints.txt
-	$(TORCH21_VENV)/bin/python -m pip install -q -c $(TORCH21_VENV)/constraints.txt torch \
-	  "deepspeed==$(DEEPSPEED_PIN)" -e ".[test]"
+	@$(TORCH21_VENV)/bin/python -c "import torch" 2>/dev/null || bash scripts/need-disk.sh $(TORCH21_VENV) 6 \
+	  "torch 2.1.2's CUDA wheel and its nvidia-* libraries"
+	$(TORCH21_PIP) || { echo "test-torch21: pip failed; once more (a registry hiccup?)" >&2; sleep 20; $(TORCH21_PIP); }
 	$(TORCH21_VENV)/bin/python patches/apply deepspeed --installed deepspeed --manifest $(TORCH21_VENV)/patch-manifest.json
 	$(TORCH21_VENV)/bin/python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 	$(TORCH21_VENV)/bin/python -m pytest $(TORCH21_TESTS) $(TORCH21_DESELECT) $(PYTEST_ARGS)
