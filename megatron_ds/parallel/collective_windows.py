@@ -30,7 +30,23 @@ def register() -> str:
 
 
 def fill_collective_windows(snodes: list) -> list:
-    """Inductor's scheduler nodes, reordered so that each big collective has a GEMM between its issue and wait."""
+    """Inductor's scheduler nodes, reordered so that each big collective has a GEMM between its issue and wait.
+    Should the new order break a dependency (a bug of ours), the layers keep the order they were given, which
+    is ``reorder``'s, with one warning: slower, never wrong, and still compiled."""
+    try:
+        return _filled(snodes)
+    except _BrokenOrder as broken:
+        import warnings
+
+        warnings.warn(f"{broken}; this graph keeps --tp-comm-overlap reorder's schedule", RuntimeWarning, stacklevel=2)
+        return list(snodes)
+
+
+class _BrokenOrder(RuntimeError):
+    """A schedule that would run a node before one it needs."""
+
+
+def _filled(snodes: list) -> list:
     order, placed = list(snodes), set()
     needs = _dependencies(order)
     i = 0
@@ -127,4 +143,4 @@ def _check(order: list, needs: dict) -> None:
     for node in order:
         late = [dep for dep in needs[node] if position[dep] > position[node]]
         if late:
-            raise RuntimeError(f"{PASS_NAME}: {node.get_name()} would run before {late[0].get_name()}, which it needs")
+            raise _BrokenOrder(f"{PASS_NAME}: {node.get_name()} would run before {late[0].get_name()}, which it needs")
