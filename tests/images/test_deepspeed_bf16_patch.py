@@ -1,5 +1,6 @@
 """patches/deepspeed/0002-0004: bf16 optimizer steps without host reads of the gradient norm, and (0004, with
-megatron_ds's AdamW) from the flat bf16 gradient to both weights in one kernel.
+megatron_ds's AdamW) from the flat bf16 gradient to both weights in one kernel; 0007: ZeRO-1 with one
+data-parallel rank copies each gradient once.
 
 The patched step must be the same step: a real DeepSpeed bf16 engine (one gloo process, torch's fused
 AdamW, clipping active) gives the same weights with and without the patches, for each optimizer DeepSpeed
@@ -43,21 +44,37 @@ if os.environ["OPT"] == "mds":  # megatron_ds's AdamW: patch 0004 hands it the f
     opt = AdamW(model.parameters(), lr=1e-2, fused=True)
 else:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
+ga = int(os.environ.get("GA", "1"))
+config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": ga, "gradient_clipping": 0.05,
           "bf16": {"enabled": True}, "zero_optimization": {"stage": int(os.environ["ZERO"])},
           "zero_allow_untested_optimizer": True}  # a subclass of torch's AdamW (mds's) is "untested" to DeepSpeed
 if os.environ["ACCUM"] == "fp32":
     config["data_types"] = {"grad_accum_dtype": "fp32"}
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-x = torch.randn(5, 8, 16)
+# what the boundary moves (patch 0007): bucket reductions of a non-empty bucket, and the step's flattens
+moves = {"bucket_reductions": 0, "flattens": 0}
+zero_opt = engine.optimizer
+if hasattr(zero_opt, "average_tensor"):
+    average_tensor = zero_opt.average_tensor
+    def counted_average(tensor, *args, **kwargs):
+        moves["bucket_reductions"] += tensor.numel() > 0
+        return average_tensor(tensor, *args, **kwargs)
+    zero_opt.average_tensor = counted_average
+    for name in ("flatten", "flatten_dense_tensors_aligned"):
+        def counted_flatten(*args, _inner=getattr(zero_opt, name), **kwargs):
+            moves["flattens"] += 1
+            return _inner(*args, **kwargs)
+        setattr(zero_opt, name, counted_flatten)
+x = torch.randn(5, ga, 8, 16)
 out = {"device_path": None, "steps": []}
 for i in range(5):
-    batch = x[i].to(torch.bfloat16)
-    if i == 3:
-        batch[0, 0] = float("inf")  # a non-finite gradient
-    loss = engine(batch).float().pow(2).mean()
-    engine.backward(loss)
-    engine.step()
+    for micro in range(ga):
+        batch = x[i, micro].to(torch.bfloat16)
+        if i == 3 and micro == ga - 1:
+            batch[0, 0] = float("inf")  # a non-finite gradient
+        loss = engine(batch).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
     opt_ = engine.optimizer
     master = (opt_.fp32_groups_flat_partition if hasattr(opt_, "fp32_groups_flat_partition")
               else opt_.single_partition_of_fp32_groups)[0]
@@ -69,6 +86,7 @@ out["device_path"] = hasattr(engine.optimizer, "skipped_on_device")
 out["skipped_on_device"] = int(engine.optimizer.skipped_on_device) if out["device_path"] else None
 out["optimizer"] = type(engine.optimizer).__name__
 out["flat_calls"] = len(flat_calls)
+out.update(moves)
 print("RESULT " + json.dumps(out))
 """
 
@@ -109,9 +127,9 @@ def patched_site(plain_site, tmp_path_factory) -> Path:
     return site
 
 
-def run_driver(tmp_path: Path, site: Path, zero: int, accum: str, opt: str) -> dict:
+def run_driver(tmp_path: Path, site: Path, zero: int, accum: str, opt: str, ga: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(ZERO=str(zero), ACCUM=accum, OPT=opt)
+    env.update(ZERO=str(zero), ACCUM=accum, OPT=opt, GA=str(ga))
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
     result = subprocess.run([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, capture_output=True,
@@ -156,6 +174,39 @@ def test_patched_bf16_step_is_the_same_step_without_host_reads(plain_site, patch
     assert bad["weights"] == before["weights"] and bad["adam_step"] == before["adam_step"] == 3.0
     assert patched["steps"][4]["adam_step"] == 4.0
     assert patched["skipped_on_device"] == 1
+
+
+@pytest.fixture(scope="module")
+def site_without_0007(plain_site, tmp_path_factory) -> Path:
+    """The series up to 0006: what patch 0007 must give the same bits as."""
+    from .test_patches import load_apply
+
+    apply = load_apply()
+    site = tmp_path_factory.mktemp("ds_upto_0006")
+    shutil.copytree(plain_site / "deepspeed", site / "deepspeed")
+    _, patches = apply.read_series("deepspeed")
+    earlier = [patch for patch in patches if patch.name < "0007"]
+    assert len(earlier) == 6
+    for patch in earlier:
+        assert apply.git(["apply", str(patch)], site).returncode == 0, patch.name
+    return site
+
+
+@pytest.mark.parametrize("opt,ga", [("mds", 1), ("mds", 2), ("torch", 2)])
+def test_one_rank_zero1_copies_each_gradient_once_and_steps_the_same_bits(site_without_0007, patched_site, tmp_path,
+                                                                          opt, ga):
+    """patches/deepspeed 0007: with one data-parallel rank ZeRO-1 reduces no bucket, and megatron_ds's AdamW reads
+    the partition buffer as its flat gradient (no flatten); weights and norms are the same bits as before it,
+    with gradient accumulation (ga micro-batches per step) too."""
+    before = run_driver(tmp_path, site_without_0007, 1, "bf16", opt, ga)
+    after = run_driver(tmp_path, patched_site, 1, "bf16", opt, ga)
+    assert before["optimizer"] == after["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert before["bucket_reductions"] >= 5 and after["bucket_reductions"] == 0
+    assert before["flattens"] >= 5
+    assert after["flattens"] == 0 if opt == "mds" else after["flattens"] <= before["flattens"]
+    assert [s["weights"] for s in after["steps"]] == [s["weights"] for s in before["steps"]]
+    assert [s["norm"] for s in after["steps"]] == [s["norm"] for s in before["steps"]]
+    assert after["steps"][3]["norm"] == float("inf") and after["skipped_on_device"] == 1
 
 
 def test_norm_mask_gives_deepspeeds_values(plain_site, patched_site, tmp_path):
