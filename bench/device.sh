@@ -790,6 +790,30 @@ stage_syncfree() {  # issue 15, one GPU, one call: patch 0005 (the gradient norm
   cp "$LOGS"/syncfree_*.json "$LOGS/gpu_tests_syncfree.json" "$LOGS/smi_syncfree.csv" "$OUT"/ 2>/dev/null
 }
 
+stage_zero1once() {  # issue 15 on 2 GPUs, one call: patch 0007 (ZeRO-1 with one data-parallel rank copies each
+  # gradient once) against 0001-0006 on GPT-6.7B TP=2+SP, global batch 16 (the boundary's copies: ~19 ms, session 14)
+  local S="--steps 7 --warmup-steps 3"
+  local M="$GPT67_TP2SP --global-batch-size 16"
+  ds_patches
+  t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0007 -- $M  # cold start
+  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch --reverse && \
+    t 170 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0006 -- $M
+  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch ""
+}
+
+stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
+  # (global batch = micro batch 16: every step is a boundary), alternated A B A B
+  local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
+  ds_patches
+  for round in 1 2; do
+    t 120 $P --no-profile --out "$LOGS/zero1once_0007_$round.txt" $A
+    ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch --reverse && \
+      t 120 $P --no-profile --out "$LOGS/zero1once_0006_$round.txt" $A
+    ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch ""
+  done
+  cp "$LOGS"/zero1once_*.json "$OUT"/ 2>/dev/null
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
