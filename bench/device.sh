@@ -801,6 +801,19 @@ stage_zero1once() {  # issue 15 on 2 GPUs, one call: patch 0007 (ZeRO-1 with one
   ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch ""
 }
 
+stage_tpnext() {  # issue 15 on 2 GPUs, one call (~7 minutes): GPT-6.7B TP=2+SP, global batch 16, the default
+  # (reorder, patches 0001-0007; cold start 186 s in session 14), then --tp-comm-overlap wgrad, then the default
+  # without patch 0007: both new levers against the default in one call (wgrad's GPU tests: wgrad67)
+  local S="--steps 7 --warmup-steps 3"
+  local M="$GPT67_TP2SP --global-batch-size 16"
+  ds_patches
+  t 240 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0007 -- $M  # cold start
+  t 200 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_wgrad_0007 -- $M --tp-comm-overlap wgrad
+  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch --reverse && \
+    t 120 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0006 -- $M
+  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch ""
+}
+
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
   # (global batch = micro batch 16: every step is a boundary), alternated A B A B
   local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
