@@ -52,7 +52,7 @@ if os.environ["ACCUM"] == "fp32":
     config["data_types"] = {"grad_accum_dtype": "fp32"}
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 # what the boundary moves (patch 0007): bucket reductions of a non-empty bucket, and the step's flattens
-moves = {"bucket_reductions": 0, "flattens": 0}
+moves = {"bucket_reductions": 0, "flattens": 0, "bucket_elements": 0}
 zero_opt = engine.optimizer
 if hasattr(zero_opt, "average_tensor"):
     average_tensor = zero_opt.average_tensor
@@ -74,6 +74,9 @@ for i in range(5):
             batch[0, 0] = float("inf")  # a non-finite gradient
         loss = engine(batch).float().pow(2).mean()
         engine.backward(loss)
+        if hasattr(zero_opt, "ipg_buckets"):  # what the reduction buckets hold after a backward
+            moves["bucket_elements"] = max(moves["bucket_elements"], sum(
+                buffer.numel() for bucket in zero_opt.ipg_buckets.values() for buffer in bucket.buffer))
         engine.step()
     opt_ = engine.optimizer
     master = (opt_.fp32_groups_flat_partition if hasattr(opt_, "fp32_groups_flat_partition")
@@ -195,13 +198,15 @@ def site_without_0007(plain_site, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("opt,ga", [("mds", 1), ("mds", 2), ("torch", 2)])
 def test_one_rank_zero1_copies_each_gradient_once_and_steps_the_same_bits(site_without_0007, patched_site, tmp_path,
                                                                           opt, ga):
-    """patches/deepspeed 0007: with one data-parallel rank ZeRO-1 reduces no bucket, and megatron_ds's AdamW reads
+    """patches/deepspeed 0007: with one data-parallel rank ZeRO-1 allocates and reduces no bucket, and megatron_ds's AdamW reads
     the partition buffer as its flat gradient (no flatten); weights and norms are the same bits as before it,
     with gradient accumulation (ga micro-batches per step) too."""
     before = run_driver(tmp_path, site_without_0007, 1, "bf16", opt, ga)
     after = run_driver(tmp_path, patched_site, 1, "bf16", opt, ga)
     assert before["optimizer"] == after["optimizer"] == "DeepSpeedZeroOptimizer"
     assert before["bucket_reductions"] >= 5 and after["bucket_reductions"] == 0
+    if ga > 1:  # held between micro-batches (DeepSpeed's default: 500M elements); at ga 1 freed within backward()
+        assert before["bucket_elements"] >= 5e8 and after["bucket_elements"] == 0
     assert before["flattens"] >= 5
     assert after["flattens"] == 0 if opt == "mds" else after["flattens"] <= before["flattens"]
     assert [s["weights"] for s in after["steps"]] == [s["weights"] for s in before["steps"]]
