@@ -197,7 +197,7 @@ def site_without_0007(plain_site, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("zero,opt,ga", [(1, "mds", 1), (1, "mds", 2), (1, "torch", 2), (2, "mds", 2)])
 def test_zero_at_one_rank_copies_each_gradient_once_and_steps_the_same_bits(site_without_0007, patched_site, tmp_path,
-                                                                          zero, opt, ga):
+                                                                            zero, opt, ga):
     """patches/deepspeed 0007: with one data-parallel rank ZeRO-1 allocates and reduces no bucket, and megatron_ds's
     AdamW reads the partition buffer as its flat gradient (no flatten); weights and norms are the same bits as
     before it, with gradient accumulation (ga micro-batches per step) too. ZeRO-2 keeps its reductions, and
