@@ -650,6 +650,14 @@ ds_patch_toggle() {  # $1: a patch of patches/deepspeed, $2: --reverse (take it 
   GIT_CEILING_DIRECTORIES="$(dirname "$site")" git -C "$site" apply $2 "$PWD/patches/deepspeed/$1"
 }
 
+without_ds_patch() {  # $1: a patch of patches/deepspeed; the rest: a command, run with that patch taken out of the
+  # installed DeepSpeed, which gets it back afterwards
+  local patch=$1; shift
+  ds_patch_toggle "$patch" --reverse || return
+  "$@"
+  ds_patch_toggle "$patch" ""
+}
+
 stage_dppp() {  # issue 15 on 2 GPUs, one call: DP and PP against one GPU with today's defaults (compiled, dropout
   # 0.1, patched DeepSpeed); the issue asks DP per GPU >= 0.95x one GPU and PP=2 >= 0.88x (session 3, eager)
   local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
@@ -781,24 +789,11 @@ stage_syncfree() {  # issue 15, one GPU, one call: patch 0005 (the gradient norm
     -k "never_waits"
   for round in 1 2; do
     t 120 $P --no-profile --out "$LOGS/syncfree_0005_$round.txt" $A
-    ds_patch_toggle 0005-norm-mask-without-host-sync.patch --reverse && \
-      t 120 $P --no-profile --out "$LOGS/syncfree_0004_$round.txt" $A
-    ds_patch_toggle 0005-norm-mask-without-host-sync.patch ""
+    without_ds_patch 0005-norm-mask-without-host-sync.patch t 120 $P --no-profile --out "$LOGS/syncfree_0004_$round.txt" $A
   done
   t 150 $P --out "$LOGS/syncfree_profile.txt" $A
   gpu_monitor_stop
   cp "$LOGS"/syncfree_*.json "$LOGS/gpu_tests_syncfree.json" "$LOGS/smi_syncfree.csv" "$OUT"/ 2>/dev/null
-}
-
-stage_zero1once() {  # issue 15 on 2 GPUs, one call: patch 0007 (ZeRO-1 with one data-parallel rank copies each
-  # gradient once) against 0001-0006 on GPT-6.7B TP=2+SP, global batch 16 (the boundary's copies: ~19 ms, session 14)
-  local S="--steps 7 --warmup-steps 3"
-  local M="$GPT67_TP2SP --global-batch-size 16"
-  ds_patches
-  t 270 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0007 -- $M  # cold start
-  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch --reverse && \
-    t 170 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0006 -- $M
-  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch ""
 }
 
 stage_tpnext() {  # issue 15 on 2 GPUs, one call (~7 minutes): GPT-6.7B TP=2+SP, global batch 16, the default
@@ -809,9 +804,8 @@ stage_tpnext() {  # issue 15 on 2 GPUs, one call (~7 minutes): GPT-6.7B TP=2+SP,
   ds_patches
   t 240 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0007 -- $M  # cold start
   t 200 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_wgrad_0007 -- $M --tp-comm-overlap wgrad
-  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch --reverse && \
+  without_ds_patch 0007-zero1-one-rank-no-bucket-copies.patch \
     t 120 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0006 -- $M
-  ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch ""
 }
 
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
@@ -820,9 +814,7 @@ stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-000
   ds_patches
   for round in 1 2; do
     t 120 $P --no-profile --out "$LOGS/zero1once_0007_$round.txt" $A
-    ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch --reverse && \
-      t 120 $P --no-profile --out "$LOGS/zero1once_0006_$round.txt" $A
-    ds_patch_toggle 0007-zero1-one-rank-no-bucket-copies.patch ""
+    without_ds_patch 0007-zero1-one-rank-no-bucket-copies.patch t 120 $P --no-profile --out "$LOGS/zero1once_0006_$round.txt" $A
   done
   cp "$LOGS"/zero1once_*.json "$OUT"/ 2>/dev/null
 }
