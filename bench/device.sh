@@ -808,6 +808,23 @@ stage_tpnext() {  # issue 15 on 2 GPUs, one call (~7 minutes): GPT-6.7B TP=2+SP,
     t 120 $B $S --name gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_reorder_0006 -- $M
 }
 
+stage_tpdefault() {  # issue 15 on 2 GPUs, one call: the default flags (reorder, patches 0001-0007) under TP=2+SP,
+  # GPT-6.7B (micro batch 4, global batch 16; a cold start needs ~230 s) and GPT-2.7B (micro batch 8, global batch 32)
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s16}
+  ds_patches
+  t 300 $B $S --name "gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_default_$tag" -- $GPT67_TP2SP --global-batch-size 16
+  t 220 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- --preset GPT2_7B --bf16 \
+    --micro-batch-size 8 --global-batch-size 32 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2 \
+    --sequence-parallel
+}
+stage_dpppdefault() {  # issue 15 on 2 GPUs, one call: as dppp, the results named by $RUN_TAG (default s16)
+  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size 16 --zero-stage 1" tag=${RUN_TAG:-s16}
+  ds_patches
+  t 150 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_$tag" -- $M --nproc-per-node 1
+  t 170 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_$tag" -- $M --nproc-per-node 2
+  t 200 $B $S --name "gpt1_3b_s2048_mbs8_gbs64_z1_pp2_$tag" -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
+    --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
+}
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
   # (global batch = micro batch 16: every step is a boundary), alternated A B A B
   local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
