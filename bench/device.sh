@@ -817,11 +817,14 @@ stage_tpdefault() {  # issue 15 on 2 GPUs, one call: the default flags (reorder,
     --micro-batch-size 8 --global-batch-size 32 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2 \
     --sequence-parallel
 }
-stage_dpppdefault() {  # issue 15 on 2 GPUs, one call: as dppp, the results named by $RUN_TAG (default s16)
-  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size 16 --zero-stage 1" tag=${RUN_TAG:-s16}
+stage_dpppdefault() {  # issue 15 on 2 GPUs, one call: as dppp, the results named by $RUN_TAG (default s16); on an
+  # 80 GB card (H100) one GPU and DP=2 run micro batch 8, as dppp80, since 16 does not fit there
+  local mbs=16
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && mbs=8
+  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size $mbs --zero-stage 1" tag=${RUN_TAG:-s16}
   ds_patches
-  t 150 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_$tag" -- $M --nproc-per-node 1
-  t 170 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_$tag" -- $M --nproc-per-node 2
+  t 150 $B $S --name "gpt1_3b_s2048_mbs${mbs}_z1_dp1_$tag" -- $M --nproc-per-node 1
+  t 170 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs${mbs}_z1_dp2_$tag" -- $M --nproc-per-node 2
   t 200 $B $S --name "gpt1_3b_s2048_mbs8_gbs64_z1_pp2_$tag" -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
     --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
 }
