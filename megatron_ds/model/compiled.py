@@ -25,6 +25,16 @@ _failure: str | None = None  # why compiling failed in this process (then everyt
 _first_call: float | None = None  # seconds of the first compiled call: tracing and lowering both graphs
 
 
+def cache_dir() -> str:
+    """Where inductor keeps compiled kernels between runs (TORCHINDUCTOR_CACHE_DIR, else torch's /tmp default): a
+    run that finds its kernels there skips most of the first step's compiling."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+    except ImportError:  # older torch: the same default, under another module
+        from torch._inductor.utils import cache_dir as inductor_cache_dir
+    return inductor_cache_dir()
+
+
 def compile_failure() -> str | None:
     """Why the layers run eager after asking for torch.compile, or None."""
     return _failure

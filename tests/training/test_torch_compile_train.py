@@ -1,8 +1,9 @@
 """`entrypoint train --torch-compile` as a user runs it (real processes, CPU, inductor's C++ backend).
 
 - the default on CPU is eager, and the start-up line says so;
-- a compiled run prints its compile time once and trains the eager model (rel 1e-4: fused kernels round
-  differently; dropout off), also under ZeRO-3 on two ranks;
+- a compiled run prints its compile time once (the layer graph's and the whole first step's, and where the
+  kernels are cached) and trains the eager model (rel 1e-4: fused kernels round differently; dropout off),
+  also under ZeRO-3 on two ranks;
 - a compile failure (a broken C++ compiler first on PATH: inductor's cpp backend needs g++) falls back to the
   eager layers with one WARNING naming the cause, and trains exactly the eager losses.
 """
@@ -34,10 +35,12 @@ def losses(run) -> list[float]:
 def compiled_run(tmp_path_factory, demo_corpus, name, env_extra=None, extra=(), nproc=1):
     """A --torch-compile run with its own inductor cache (a cached kernel would not need the compiler)."""
     saved = dict(os.environ)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp(f"{name}_inductor_cache"))
+    cache = str(tmp_path_factory.mktemp(f"{name}_inductor_cache"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     os.environ.update(env_extra or {})
     try:
-        return run_train(tmp_path_factory, demo_corpus, name, GPT, ["--torch-compile", *extra], nproc=nproc)
+        run = run_train(tmp_path_factory, demo_corpus, name, GPT, ["--torch-compile", *extra], nproc=nproc)
+        return {**run, "inductor_cache": cache}
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -57,7 +60,12 @@ def test_compiled_run_prints_its_compile_time_and_trains_the_eager_model(tmp_pat
     run = compiled_run(tmp_path_factory, demo_corpus, "compiled")
     assert "torch.compile on, device cpu" in run["stdout"]
     lines = [line for line in run["stdout"].splitlines() if "mds train: torch.compile:" in line]
-    assert len(lines) == 1 and float(lines[0].split("torch.compile:")[1].split()[0]) > 0, run["stdout"][-2000:]
+    assert len(lines) == 1, run["stdout"][-2000:]
+    layer_graph = float(lines[0].split("torch.compile:")[1].split()[0])
+    first_step = float(lines[0].split("first step")[1].split()[0])
+    assert 0 < layer_graph <= first_step, lines[0]  # the whole first step, compiling included
+    assert f"cached in {run['inductor_cache']} (TORCHINDUCTOR_CACHE_DIR)" in lines[0], lines[0]
+    assert any(os.scandir(run["inductor_cache"])), "inductor wrote nothing where the line says"
     assert "WARNING" not in run["stderr"], run["stderr"][-3000:]
     for a, b in zip(losses(run), losses(eager), strict=True):
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
