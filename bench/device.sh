@@ -828,6 +828,15 @@ stage_dpppdefault() {  # issue 15 on 2 GPUs, one call: as dppp, the results name
   t 200 $B $S --name "gpt1_3b_s2048_mbs8_gbs64_z1_pp2_$tag" -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
     --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
 }
+stage_startup() {  # 2 GPUs, one call: GPT-6.7B TP=2+SP start-up with the weights drawn on the GPU (the default)
+  # and on the CPU (--use-cpu-initialization; ~63 s to the engine in session 16): the start-up line's "model and
+  # engine built in N s" of each (in the stage's output), then the GPU tests of the two draws
+  local S="--steps 3 --warmup-steps 1" M="$GPT67_TP2SP --global-batch-size 16"
+  ds_patches
+  t 300 $B $S --name gpt6_7b_startup_gpu_draw -- $M
+  t 200 $B $S --name gpt6_7b_startup_cpu_draw -- $M --use-cpu-initialization
+  t 150 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider -k "drawn or cpu_initialization"
+}
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
   # (global batch = micro batch 16: every step is a boundary), alternated A B A B
   local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"

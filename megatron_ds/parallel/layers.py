@@ -2,7 +2,8 @@
 
 Every layer is handed an ``init`` callable that returns the FULL tensor for a shape; the layer
 keeps only this rank's slice. Given the same init, TP=N holds exactly the slices of TP=1's weights,
-so the two are equal by construction (at the cost of materialising the full matrix once on CPU).
+so the two are equal by construction (at the cost of drawing the full matrix once; on the GPU when training
+there: ``weights_drawn_on``).
 
 With ``chunked`` set (``--tp-comm-overlap chunked``, by TransformerLayer) a sequence-parallel linear splits its
 GEMM by the ranks' sequence chunks so its collective runs beside a GEMM (parallel/chunked.py).
@@ -22,6 +23,7 @@ checkpoints written with the older ``<layer>.weight`` names still load (a load_s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 
@@ -36,6 +38,25 @@ from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gath
 Init = Callable[[tuple[int, ...]], torch.Tensor]
 
 
+_draw_device: torch.device | None = None  # where seeded_normal draws (None: the CPU); see weights_drawn_on
+
+
+@contextlib.contextmanager
+def weights_drawn_on(device: torch.device | None):
+    """Inside this block seeded_normal draws on ``device`` and hands back CPU tensors, as before.
+
+    Why: the CPU draws serially (~0.2 s per 10^8 numbers), so every rank spent ~35 s drawing GPT-6.7B's full
+    matrices before training could start; a GPU draws them in well under a second. The numbers then come from
+    that device's generator: equal for every TP/PP layout on one kind of machine, not equal to the CPU's draw.
+    """
+    global _draw_device
+    saved, _draw_device = _draw_device, device
+    try:
+        yield
+    finally:
+        _draw_device = saved
+
+
 def seeded_normal(std: float, *key: object) -> Init:
     """Init drawing N(0, std) from a generator seeded by ``key`` (e.g. (seed, layer_number, name)).
 
@@ -48,8 +69,11 @@ def seeded_normal(std: float, *key: object) -> Init:
         tensor = torch.empty(shape, dtype=torch.float32)
         if tensor.is_meta:  # a model built for its shapes only (torch 2.1 cannot draw meta tensors from a generator)
             return tensor
-        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-        return tensor.normal_(0.0, std, generator=generator)
+        device = _draw_device or tensor.device
+        if device.type != "cpu":
+            tensor = torch.empty(shape, dtype=torch.float32, device=device)
+        generator = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return tensor.normal_(0.0, std, generator=generator).cpu()
 
     return init
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.gpt import GPTModel, TransformerLayer, assign_recompute, gpt_stage_specs, lm_loss
+from megatron_ds.parallel.layers import weights_drawn_on
 from megatron_ds.parallel.state import ParallelState, local_device_index
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
@@ -139,9 +140,11 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     pipelined = state.pp_size > 1
     # DeepSpeed's comm layer wraps the process group that parallel.state created (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
-    # 1. the model (TP-sliced layers for this rank's TP group)
-    module = (pipeline_module(config, state) if pipelined
-              else GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
+    # 1. the model (TP-sliced layers for this rank's TP group; initial weights drawn on this rank's GPU, if any)
+    on_gpu = torch.cuda.is_available() and not args.use_cpu_initialization
+    with weights_drawn_on(torch.device("cuda", local_device_index()) if on_gpu else None):
+        module = (pipeline_module(config, state) if pipelined else
+                  GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
     module = precision.wrap_model(module, state)
     # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)

@@ -217,7 +217,9 @@ class Trainer:
         self.padded_vocab = pad_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                            args.tensor_model_parallel_size)
         self.precision = precision_from_args(args)
+        start = time.perf_counter()
         built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
+        build_seconds = time.perf_counter() - start
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
         self.backward_scale = built.backward_scale
         s = self.parallel
@@ -226,7 +228,9 @@ class Trainer:
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
              f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
              f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
-             f"torch.compile {'on' if args.torch_compile else 'off'}{overlap}, device {self.device.type}")
+             f"torch.compile {'on' if args.torch_compile else 'off'}{overlap}, device {self.device.type}; "
+             f"model and engine built in {build_seconds:.1f} s (weights drawn on "
+             f"{'the CPU' if self.device.type == 'cpu' or args.use_cpu_initialization else 'the GPU'})")
         _log(f"mds train: {self.config.num_layers} layers, hidden {self.config.hidden_size}, "
              f"{self.config.num_attention_heads} heads ({self.config.num_key_value_heads} kv), seq "
              f"{self.config.seq_length}, vocab {self.tokenizer.vocab_size} padded to {self.padded_vocab}, "

@@ -115,6 +115,17 @@ def reference(tmp_path_factory, demo_corpus):
     return train
 
 
+def test_use_cpu_initialization_starts_from_the_cpu_draw(tmp_path_factory, demo_corpus, reference):
+    """The reference drew its initial weights on the GPU (the default), this run on the CPU: another start of the
+    same model (a deterministic eager run would repeat the reference's first loss bit for bit), which trains."""
+    run = run_train(tmp_path_factory, demo_corpus, "bf16_zero1_1gpu_cpu_init",
+                    ["--bf16", "--zero-stage", "1", "--use-cpu-initialization"])
+    assert "(weights drawn on the GPU)" in REPORT["bf16_zero1_1gpu"]["stdout_head"]
+    assert "(weights drawn on the CPU)" in REPORT["bf16_zero1_1gpu_cpu_init"]["stdout_head"]
+    assert (run[0]["lm_loss"], run[0]["grad_norm"]) != (reference[0]["lm_loss"], reference[0]["grad_norm"])
+    assert run[-1]["lm_loss"] < 0.9 * run[0]["lm_loss"], [r["lm_loss"] for r in run]
+
+
 @needs(2)
 @pytest.mark.parametrize("name, extra", [
     ("tp2", ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]),

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from megatron_ds.parallel import mappings, state
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         seeded_normal, sequence_parallel_dropout, slice_chunks)
+                                         seeded_normal, sequence_parallel_dropout, slice_chunks,
+                                         weights_drawn_on)
 from megatron_ds.parallel.random import tp_rank_rng
 from megatron_ds.parallel.testing import run_on_ranks
 
@@ -353,3 +354,18 @@ def test_fused_cross_entropy_equals_the_eager_chunks():
     close(results[True][0], results[False][0], "fused loss")
     grad_eager, grad_fused = results[False][1].float(), results[True][1].float()
     assert (grad_fused - grad_eager).abs().max() <= 1e-2 * grad_eager.abs().max()  # both rounded to bf16
+
+
+def test_weights_drawn_on_a_device_come_back_on_the_cpu_and_the_block_restores_the_cpu_draw():
+    """build_engine draws on the rank's GPU (tests/gpu -k drawn_on covers CUDA); here the device is the CPU, whose
+    draw must equal the default one, and leaving the block (also by an error) restores the default."""
+    draw = seeded_normal(0.5, "test", "drawn")
+    default = draw((64, 32))
+    with weights_drawn_on(torch.device("cpu")):
+        inside = draw((64, 32))
+        with torch.device("meta"):
+            assert draw((64, 32)).is_meta  # a model built for its shapes only draws nothing
+    assert inside.device.type == "cpu" and torch.equal(inside, default)
+    with pytest.raises(RuntimeError), weights_drawn_on(torch.device("meta")):
+        draw((64, 32))  # meta tensors cannot be drawn: the error leaves the block
+    assert torch.equal(draw((64, 32)), default)

@@ -100,6 +100,13 @@ def test_no_op_flags_are_accepted_with_a_notice(files):
         parse_args(base(files, "--dataset-impl", "lazy"), env={})
 
 
+def test_use_cpu_initialization_is_a_real_switch(files):
+    """Megatron's flag: the initial weights are drawn on the GPU unless it is given (engine.build_engine)."""
+    assert parse_args(base(files), env={}).use_cpu_initialization is False
+    args = parse_args(base(files, "--use-cpu-initialization"), env={})
+    assert args.use_cpu_initialization is True and not getattr(args, "notices", None)
+
+
 def test_preset_fills_shape_and_explicit_flags_win():
     args = parse_args(["--preset", "GPT1_3B", "--num-layers", "2"], env={})
     assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length) == (2, 2048, 16, 2048)

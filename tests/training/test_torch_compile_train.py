@@ -47,7 +47,8 @@ def compiled_run(tmp_path_factory, demo_corpus, name, env_extra=None, extra=(), 
 
 
 def test_cpu_default_is_eager(eager):
-    assert "torch.compile off, device cpu" in eager["stdout"], eager["stdout"][-2000:]
+    assert "torch.compile off, device cpu; model and engine built in" in eager["stdout"], eager["stdout"][-2000:]
+    assert "s (weights drawn on the CPU)" in eager["stdout"], eager["stdout"][-2000:]
     assert "torch.compile:" not in eager["stdout"] and "WARNING" not in eager["stderr"]
     assert "torch.compile is off" not in eager["stderr"]  # no notice: eager is simply the CPU default
 

@@ -42,7 +42,6 @@ NO_OP_SWITCHES = {
     "--log-memory-to-tensorboard": "memory is always logged",
     "--log-optimizer-states-to-tensorboard": "not recorded by mds",
     "--no-log-loss-scale-to-tensorboard": "the loss scale is logged with --fp16 only",
-    "--use-cpu-initialization": "weights are always initialised from the seeded full matrix then sliced",
 }
 NO_OP_WITH_VALUE = {
     "--dataset-impl": ({"mmap", "infer"}, "mds reads the mmap indexed format"),
@@ -129,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="draw the initial weights on the CPU (the numbers of a CPU run; ~35 s per rank for "
+                        "GPT-6.7B) instead of on this rank's GPU")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
