@@ -31,7 +31,7 @@ demo: $(READY) ## prepare the embedded corpus and train a small GPT on it (CPU o
 	$(PY) -m megatron_ds.demo
 
 test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=... narrows it; README: how to deselect the image builds)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 test-system: ## install the system packages the tests use (Slurm, MPI, shellcheck, Docker; root + apt) when missing
 	@bash scripts/setup-test-system.sh
