@@ -145,6 +145,8 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     with weights_drawn_on(torch.device("cuda", local_device_index()) if on_gpu else None):
         module = (pipeline_module(config, state) if pipelined else
                   GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
+    if on_gpu:
+        torch.cuda.empty_cache()  # the drawn matrices' blocks: not kept to fragment a tight run's memory
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
     module = precision.wrap_model(module, state)
     # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)
