@@ -837,6 +837,17 @@ stage_startup() {  # 2 GPUs, one call: GPT-6.7B TP=2+SP start-up with the weight
   t 200 $B $S --name gpt6_7b_startup_cpu_draw -- $M --use-cpu-initialization
   t 150 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider -k "drawn or cpu_initialization"
 }
+stage_tp27mbs() {  # issue 15 on 2 x H200, one call: GPT-2.7B TP=2+SP with the default flags at micro batch 8 and
+  # 16 (global batch 32): at hidden 2560 the sequence-parallel collectives are ~17% of a micro-batch (0.425 on
+  # H100, session 16); larger GEMMs run closer to their peak while the collectives' share stays (an 80 GB card
+  # may not hold 16: 49 GiB at 8)
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s17}
+  local M="--preset GPT2_7B --bf16 --global-batch-size 32 --zero-stage 1 --nproc-per-node 2"
+  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
+  ds_patches
+  t 240 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- $M --micro-batch-size 8  # cold start
+  t 180 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_$tag" -- $M --micro-batch-size 16
+}
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
   # (global batch = micro batch 16: every step is a boundary), alternated A B A B
   local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
