@@ -124,6 +124,7 @@ class Built:
     config: GPTConfig
     attention_backend: str
     backward_scale: float = 1.0  # on the loss given to engine.backward (ZeRO-3 under Ulysses: SP)
+    weights_drawn_on: str = "the CPU"  # where the initial weights were drawn, for the start-up line
 
 
 def _device_args():
@@ -198,7 +199,7 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
         else:
             for group in optimizer.param_groups:
                 group["lr"] = args.lr
-    return Built(engine, pipelined, config, _resolved_backend(module), scale)
+    return Built(engine, pipelined, config, _resolved_backend(module), scale, "the GPU" if on_gpu else "the CPU")
 
 
 def gather_whole_layers(module: torch.nn.Module) -> None:

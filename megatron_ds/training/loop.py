@@ -229,8 +229,7 @@ class Trainer:
              f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
              f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
              f"torch.compile {'on' if args.torch_compile else 'off'}{overlap}, device {self.device.type}; "
-             f"model and engine built in {build_seconds:.1f} s (weights drawn on "
-             f"{'the CPU' if self.device.type == 'cpu' or args.use_cpu_initialization else 'the GPU'})")
+             f"model and engine built in {build_seconds:.1f} s (weights drawn on {built.weights_drawn_on})")
         _log(f"mds train: {self.config.num_layers} layers, hidden {self.config.hidden_size}, "
              f"{self.config.num_attention_heads} heads ({self.config.num_key_value_heads} kv), seq "
              f"{self.config.seq_length}, vocab {self.tokenizer.vocab_size} padded to {self.padded_vocab}, "
