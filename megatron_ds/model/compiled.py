@@ -14,9 +14,12 @@ its failure is caught here too, and the first call's wall time is the whole star
 from __future__ import annotations
 
 import contextlib
+import getpass
+import importlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -27,12 +30,17 @@ _first_call: float | None = None  # seconds of the first compiled call: tracing 
 
 def cache_dir() -> str:
     """Where inductor keeps compiled kernels between runs (TORCHINDUCTOR_CACHE_DIR, else torch's /tmp default): a
-    run that finds its kernels there skips most of the first step's compiling."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
-    except ImportError:  # older torch: the same default, under another module
-        from torch._inductor.utils import cache_dir as inductor_cache_dir
-    return inductor_cache_dir()
+    run that finds its kernels there skips most of the first step's compiling. Torch has moved the function
+    between releases; a torch where none of its homes has it gets torch's documented default, never an error
+    (the caller only prints it)."""
+    for home in ("torch._inductor.runtime.cache_dir_utils", "torch._inductor.runtime.runtime_utils",
+                 "torch._inductor.utils"):
+        try:
+            return importlib.import_module(home).cache_dir()
+        except (ImportError, AttributeError):
+            continue
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                      f"torchinductor_{getpass.getuser()}")
 
 
 def compile_failure() -> str | None:
