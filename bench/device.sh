@@ -28,6 +28,9 @@ GPT13="--preset GPT1_3B --bf16"
 # GPT-6.7B TP=2+SP on two GPUs, micro batch 4, ZeRO-1: the issue-15 TP layout
 GPT67_TP2SP="--preset GPT6_7B --bf16 --micro-batch-size 4 --zero-stage 1 --nproc-per-node 2"
 GPT67_TP2SP="$GPT67_TP2SP --tensor-model-parallel-size 2 --sequence-parallel"
+# GPT-2.7B TP=2+SP on two GPUs, global batch 32, ZeRO-1 (the micro batch is the stage's)
+GPT27_TP2SP="--preset GPT2_7B --bf16 --global-batch-size 32 --zero-stage 1 --nproc-per-node 2"
+GPT27_TP2SP="$GPT27_TP2SP --tensor-model-parallel-size 2 --sequence-parallel"
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
 
@@ -659,12 +662,16 @@ without_ds_patch() {  # $1: a patch of patches/deepspeed; the rest: a command, r
 }
 
 stage_dppp() {  # issue 15 on 2 GPUs, one call: DP and PP against one GPU with today's defaults (compiled, dropout
-  # 0.1, patched DeepSpeed); the issue asks DP per GPU >= 0.95x one GPU and PP=2 >= 0.88x (session 3, eager)
-  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  # 0.1, patched DeepSpeed); the issue asks DP per GPU >= 0.95x one GPU and PP=2 >= 0.88x (session 3, eager).
+  # Results are named by $RUN_TAG (default s12); on an 80 GB card (H100) one GPU and DP=2 run micro batch 8,
+  # since 16 does not fit there with the default flags
+  local mbs=16
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && mbs=8
+  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size $mbs --zero-stage 1" tag=${RUN_TAG:-s12}
   ds_patches
-  t 150 $B $S --name gpt1_3b_s2048_mbs16_z1_dp1_s12 -- $M --nproc-per-node 1
-  t 170 $B $S --dp-hint 2 --name gpt1_3b_s2048_mbs16_z1_dp2_s12 -- $M --nproc-per-node 2
-  t 200 $B $S --name gpt1_3b_s2048_mbs8_gbs64_z1_pp2_s12 -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
+  t 150 $B $S --name "gpt1_3b_s2048_mbs${mbs}_z1_dp1_$tag" -- $M --nproc-per-node 1
+  t 170 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs${mbs}_z1_dp2_$tag" -- $M --nproc-per-node 2
+  t 200 $B $S --name "gpt1_3b_s2048_mbs8_gbs64_z1_pp2_$tag" -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
     --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
 }
 
@@ -813,20 +820,7 @@ stage_tpdefault() {  # issue 15 on 2 GPUs, one call: the default flags (reorder,
   local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s16}
   ds_patches
   t 300 $B $S --name "gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_default_$tag" -- $GPT67_TP2SP --global-batch-size 16
-  t 220 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- --preset GPT2_7B --bf16 \
-    --micro-batch-size 8 --global-batch-size 32 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2 \
-    --sequence-parallel
-}
-stage_dpppdefault() {  # issue 15 on 2 GPUs, one call: as dppp, the results named by $RUN_TAG (default s16); on an
-  # 80 GB card (H100) one GPU and DP=2 run micro batch 8, as dppp80, since 16 does not fit there
-  local mbs=16
-  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && mbs=8
-  local S="--steps 12 --warmup-steps 4" M="$GPT13 --micro-batch-size $mbs --zero-stage 1" tag=${RUN_TAG:-s16}
-  ds_patches
-  t 150 $B $S --name "gpt1_3b_s2048_mbs${mbs}_z1_dp1_$tag" -- $M --nproc-per-node 1
-  t 170 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs${mbs}_z1_dp2_$tag" -- $M --nproc-per-node 2
-  t 200 $B $S --name "gpt1_3b_s2048_mbs8_gbs64_z1_pp2_$tag" -- $GPT13 --micro-batch-size 8 --global-batch-size 64 \
-    --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
+  t 220 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 8
 }
 stage_startup() {  # 2 GPUs, one call: GPT-6.7B TP=2+SP start-up with the weights drawn on the GPU (the default)
   # and on the CPU (--use-cpu-initialization; ~63 s to the engine in session 16): the start-up line's "model and
@@ -842,11 +836,9 @@ stage_tp27mbs() {  # issue 15 on 2 x H200, one call: GPT-2.7B TP=2+SP with the d
   # H100, session 16); larger GEMMs run closer to their peak while the collectives' share stays (an 80 GB card
   # may not hold 16: 49 GiB at 8)
   local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s17}
-  local M="--preset GPT2_7B --bf16 --global-batch-size 32 --zero-stage 1 --nproc-per-node 2"
-  M="$M --tensor-model-parallel-size 2 --sequence-parallel"
   ds_patches
-  t 240 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- $M --micro-batch-size 8  # cold start
-  t 180 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_$tag" -- $M --micro-batch-size 16
+  t 240 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 8  # cold
+  t 180 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 16
 }
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
   # (global batch = micro batch 16: every step is a boundary), alternated A B A B
