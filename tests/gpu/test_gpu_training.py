@@ -81,6 +81,10 @@ def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int 
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.update(env_extra or {})
     result = subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:  # into the report too: a call cut off by its limit never prints pytest's summary
+        REPORT.setdefault(name, {})["failed"] = {"returncode": result.returncode, "stdout_tail": result.stdout[-3000:],
+                                                 "stderr_tail": result.stderr[-6000:]}
+        write_report()
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     train = [r for r in rows if "lm_loss" in r]
