@@ -225,8 +225,10 @@ def _tokenizers_single_threaded():
 def preprocess(input: str, output_prefix: str, spec: TokenizerSpec, *, json_keys=("text",),
                append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
                skip_bad_lines: bool = False, progress: bool = True,
-               chunk_bytes: int = CHUNK_BYTES) -> PreprocessResult:
-    """Tokenize ``input`` (JSON lines, optionally .gz/.xz/.bz2) into ``<output_prefix>_<key>_document``."""
+               chunk_bytes: int = CHUNK_BYTES, stop_requested=lambda: False) -> PreprocessResult:
+    """Tokenize ``input`` (JSON lines, optionally .gz/.xz/.bz2) into ``<output_prefix>_<key>_document``.
+    ``stop_requested()`` is asked after every chunk and once more before the outputs get their final names;
+    when it says yes, KeyboardInterrupt leaves no output."""
     keys = tuple(json_keys)
     if not os.path.isfile(input):
         raise PreprocessError(f"--input: {input}: no such file")
@@ -275,6 +277,10 @@ def preprocess(input: str, output_prefix: str, spec: TokenizerSpec, *, json_keys
                 result.documents += chunk.documents
                 result.text_bytes += chunk.text_bytes
                 bar.update(positions.popleft(), result.documents, result.text_bytes, result.tokens[keys[0]])
+                if stop_requested():
+                    raise KeyboardInterrupt
+            if stop_requested():  # the last moment to keep nothing
+                raise KeyboardInterrupt
             # Leaving the stack finalizes the writers (renames to the final names) on success only.
         result.seconds = time.monotonic() - start
     return result
@@ -319,17 +325,22 @@ def main(argv: list[str]) -> int:
         return 2
     spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size)
 
-    received = [int(signal.SIGINT)]
+    # Ctrl-C and SIGTERM (e.g. a scheduler's) only note the signal; tokenizing stops at the next chunk. Raising
+    # from the handler could land in a finalizer, where Python prints the exception and drops it, and the run
+    # would go on to publish its output. A second signal stops at once.
+    received: list[int] = []
 
-    def on_term(signum, frame):  # SIGTERM (e.g. a scheduler) cleans up like Ctrl-C does
-        received[0] = signum
-        raise KeyboardInterrupt
+    def on_signal(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            raise KeyboardInterrupt
 
-    old_term = signal.signal(signal.SIGTERM, on_term)
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys,
                             append_eod=args.append_eod, workers=args.workers, log_interval=args.log_interval,
-                            skip_bad_lines=args.skip_bad_lines, progress=not args.no_progress)
+                            skip_bad_lines=args.skip_bad_lines, progress=not args.no_progress,
+                            stop_requested=lambda: bool(received))
     except (PreprocessError, TokenizerError) as e:
         print(f"entrypoint preprocess: {e}", file=sys.stderr)
         return 2
@@ -338,9 +349,13 @@ def main(argv: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         print("entrypoint preprocess: interrupted; no output written", file=sys.stderr)
-        return 128 + received[0]
+        return 128 + (received[0] if received else signal.SIGINT)
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        for signum, handler in old_handlers.items():
+            signal.signal(signum, handler)
+    if received:  # it came while the finished outputs were being renamed: they are whole, so they stay
+        print(f"entrypoint preprocess: {signal.Signals(received[0]).name} came after tokenizing had finished; "
+              "the output is complete", file=sys.stderr)
     rate = result.text_bytes / 1e6 / max(result.seconds, 1e-9)
     for k, prefix in result.outputs.items():
         print(f"wrote {prefix}.{{bin,idx}}: {result.documents} documents, {result.tokens[k]} tokens")

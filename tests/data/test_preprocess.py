@@ -73,6 +73,35 @@ def test_two_workers_byte_identical_to_one(tmp_path, gpt2_files):
     assert read_bytes(str(tmp_path / "w1_text_document")) == read_bytes(str(tmp_path / "w2_text_document"))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stop_request_keeps_nothing_up_to_the_last_moment(tmp_path, gpt2_files, workers):
+    """`entrypoint preprocess`'s signal handlers only note the signal; preprocess asks after every chunk and
+    once more before renaming. Asked yes after the first chunk, or only at that last check, it leaves nothing."""
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS * 4)
+    spec = TokenizerSpec("GPT2BPETokenizer", *gpt2_files)
+    calls = []
+
+    def count():
+        calls.append(1)
+        return False
+
+    whole = preprocess(src, str(tmp_path / "whole"), spec, workers=workers, chunk_bytes=500, progress=False,
+                       stop_requested=count)
+    n_chunks = len(calls) - 1  # one call per chunk, one before renaming
+    assert n_chunks > 2 and whole.documents == len(DOCS) * 4
+    for stop_at in (1, n_chunks + 1):
+        asked = []
+
+        def stop():
+            asked.append(1)
+            return len(asked) >= stop_at
+
+        prefix = tmp_path / f"stop{stop_at}"
+        with pytest.raises(KeyboardInterrupt):
+            preprocess(src, str(prefix), spec, workers=workers, chunk_bytes=500, progress=False, stop_requested=stop)
+        assert len(asked) == stop_at and not glob.glob(f"{prefix}*"), os.listdir(tmp_path)
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "entrypoint", "preprocess", *args], capture_output=True, text=True,
                           timeout=120)
@@ -171,7 +200,7 @@ def test_interrupt_leaves_no_output_pair(tmp_path, gpt2_files, sig):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     final = [prefix + "_text_document.bin", prefix + "_text_document.idx"]
-    assert not any(os.path.exists(p) for p in final)
+    assert not any(os.path.exists(p) for p in final), (proc.returncode, err[-2000:])
     if sig != signal.SIGKILL:
         assert proc.returncode == 128 + sig and "interrupted; no output written" in err
         assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]  # temporaries removed too
