@@ -186,8 +186,8 @@ class SelfAttention(nn.Module):
         """The ranks that split the heads: Ulysses' after its all-to-all, else TP's."""
         return self.sp_group if self.distributed is not None else self.group
 
-    @torch.compiler.disable
     def _core_on_rank_stream(self, q, k, v) -> torch.Tensor:
+        """Runs eagerly inside compiled layers: see keep_rank_stream_core_eager."""
         with tp_rank_rng(self._heads_group, q.device):
             return self._core(q, k, v)
 
@@ -200,6 +200,15 @@ class SelfAttention(nn.Module):
         if self.recompute_core and torch.is_grad_enabled():  # selective recompute: keep no [s, s] scores
             return checkpoint(self.core, q, k, v, use_reentrant=False)
         return self.core(q, k, v)
+
+
+def keep_rank_stream_core_eager() -> None:
+    """torch.compiler.disable on SelfAttention._core_on_rank_stream, once, by the first layer that compiles. As a
+    decorator it imported dynamo (~1 s: sympy, inductor) into every process that imports the model, compiled or
+    not: the launcher validating flags, every CPU rank, every conversion."""
+    core = SelfAttention._core_on_rank_stream
+    if not getattr(core, "_torchdynamo_disable", False):
+        SelfAttention._core_on_rank_stream = torch.compiler.disable(core)
 
 
 class MLP(nn.Module):
@@ -257,6 +266,7 @@ class TransformerLayer(nn.Module):
                 if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
                     linear.chunked = True
         if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
+            keep_rank_stream_core_eager()
             prepare_group(config.tp_comm_overlap, group)
             # eager again, with one warning, if compiling fails
             self._forward = CompiledForward(self._forward, inductor_options(config.tp_comm_overlap))

@@ -369,3 +369,19 @@ def test_rotary_tables_of_a_slice_are_the_full_tables_rows():
     cos, sin = rotary_tables(16, 8, 10000, "cpu")
     cos_part, sin_part = rotary_tables(4, 8, 10000, "cpu", first=8)
     assert torch.equal(cos_part, cos[8:12]) and torch.equal(sin_part, sin[8:12])
+
+
+def test_building_and_running_an_eager_model_leaves_dynamo_unimported():
+    """The launcher validates flags by importing the model, and every CPU rank builds one: importing dynamo
+    (sympy, inductor) cost each of those processes ~1 s before it was deferred to the first compiled layer."""
+    code = ("import sys, torch\n"
+            "from megatron_ds.model.config import GPTConfig\n"
+            "from megatron_ds.model.gpt import GPTModel\n"
+            "from megatron_ds.training.arguments import parse_args\n"
+            "model = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,"
+            " seq_length=4, attention_backend='sdpa'))\n"
+            "model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor', 'sympy')))[:5])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
