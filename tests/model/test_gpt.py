@@ -375,13 +375,15 @@ def test_building_and_running_an_eager_model_leaves_dynamo_unimported():
     """The launcher validates flags by importing the model, and every CPU rank builds one: importing dynamo
     (sympy, inductor) cost each of those processes ~1 s before it was deferred to the first compiled layer."""
     code = ("import sys, torch\n"
+            "before = set(sys.modules)  # what torch itself imports (torch 2.1 brings sympy along)\n"
             "from megatron_ds.model.config import GPTConfig\n"
             "from megatron_ds.model.gpt import GPTModel\n"
             "from megatron_ds.training.arguments import parse_args\n"
             "model = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,"
             " seq_length=4, attention_backend='sdpa'))\n"
             "model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor', 'sympy')))[:5])\n")
+            "print(sorted(m for m in set(sys.modules) - before\n"
+            "             if m.startswith(('torch._dynamo', 'torch._inductor', 'sympy')))[:5])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
