@@ -39,6 +39,7 @@ exactly its own tokens' share: DeepSpeed then sums gradients over SP and average
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -202,13 +203,12 @@ class SelfAttention(nn.Module):
         return self.core(q, k, v)
 
 
+@functools.cache
 def keep_rank_stream_core_eager() -> None:
     """torch.compiler.disable on SelfAttention._core_on_rank_stream, once, by the first layer that compiles. As a
     decorator it imported dynamo (~1 s: sympy, inductor) into every process that imports the model, compiled or
     not: the launcher validating flags, every CPU rank, every conversion."""
-    core = SelfAttention._core_on_rank_stream
-    if not getattr(core, "_torchdynamo_disable", False):
-        SelfAttention._core_on_rank_stream = torch.compiler.disable(core)
+    SelfAttention._core_on_rank_stream = torch.compiler.disable(SelfAttention._core_on_rank_stream)
 
 
 class MLP(nn.Module):

@@ -117,15 +117,14 @@ def test_slow_start_and_saving_do_not_trip_a_short_watchdog(tmp_path, demo_corpu
                                        str(tmp_path / "ckpt"), "--save-interval", "10"),
                             cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    while proc.poll() is None and not (metrics.exists() and metrics.stat().st_size):
-        time.sleep(0.02)
+    wait_for_iteration(proc, metrics, 1)
     first_step = time.monotonic() - start
     _, stderr = finish(proc, 300)
     assert proc.returncode == 0, stderr[-4000:]
     assert first_step > 2, f"the first step came {first_step:.1f} s after launch: too soon to show that start-up " \
                            "outlasts the 1 s timeout"
     assert "HANG" not in stderr
-    assert [r["iteration"] for r in iterations(tmp_path / "metrics.jsonl")] == list(range(1, 31))
+    assert [r["iteration"] for r in iterations(metrics)] == list(range(1, 31))
     assert not list(tmp_path.glob("mds-watchdog-*")), "a successful run leaves no watchdog directory"
 
 
