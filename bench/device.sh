@@ -840,6 +840,21 @@ stage_tp27mbs() {  # issue 15 on 2 x H200, one call: GPT-2.7B TP=2+SP with the d
   t 240 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 8  # cold
   t 180 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 16
 }
+stage_tpsched() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batch 8, global batch 32), the default
+  # (reorder) against torch's overlap scheduler (inductor's aten_distributed_optimizations: it moves compute,
+  # not only collectives, into each collective's window by estimated runtimes; needs Triton, so GPU only) with
+  # our reordering off; on an H200 (141 GB) micro batch 16 with the default as well
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s18}
+  local SCHED='{"aten_distributed_optimizations.enable_overlap_scheduling": true}'
+  ds_patches
+  $PYTHON -c "import torch._inductor.config as c; print('[bench] overlap scheduler in this torch:', c.aten_distributed_optimizations.enable_overlap_scheduling is not None)"
+  t 220 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 8  # cold
+  MDS_INDUCTOR_OPTIONS="$SCHED" t 200 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_sched_$tag" -- $GPT27_TP2SP \
+    --micro-batch-size 8 --tp-comm-overlap none
+  if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+    t 160 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 16
+  fi
+}
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
   # (global batch = micro batch 16: every step is a boundary), alternated A B A B
   local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"

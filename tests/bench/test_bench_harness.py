@@ -8,6 +8,7 @@ show both rows. Also: the baseline counts FLOPs exactly as the model does.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -74,11 +75,14 @@ def test_failed_run_is_recorded_not_lost(tmp_path):
     cmd = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--name", "bad", "--steps", "2",
            "--warmup-steps", "1", "--results-dir", str(results), "--work-dir", str(tmp_path / "work"), "--no-report",
            "--", "--preset", "TINY", "--micro-batch-size", "2", "--hidden-size", "65"]
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # a switch set through the environment is part of what ran: the record keeps it
+    env = dict(os.environ, MDS_INDUCTOR_OPTIONS='{"fallback_random": false}')
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 1
     rec = json.loads((results / "bad.json").read_text())
     assert rec["status"] == "failed" and rec["exit_code"] == 2 and rec["summary"] is None
     assert "--hidden-size" in rec["log_tail"]
+    assert rec["environment"]["switches"] == {"MDS_INDUCTOR_OPTIONS": '{"fallback_random": false}'}
 
 
 def test_idle_gaps_separate_launch_latency_from_waits_for_the_host():
