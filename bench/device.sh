@@ -364,6 +364,8 @@ defaults_vs_reference() {  # issue 15, one call: GPT-1.3B default flags (compile
   cp bench/results/gpt1_3b_s2048_mbs16_*_"$2".json "$OUT"/ 2>/dev/null
 }
 
+stage_defaults18() { defaults_vs_reference defaults18 "${RUN_TAG:-s18}"; }  # the one-GPU targets again, one call
+
 stage_defaults2() { defaults_vs_reference defaults2 foreach_norm; }
 
 stage_session6b() {  # one call, nothing beside it: the defaults (issue 15), then GPT-2.7B FP8 vs bf16 without dropout
