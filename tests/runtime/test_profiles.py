@@ -80,6 +80,23 @@ def test_user_values_win_and_reasons_are_given():
     assert env["MDS_PROFILE"] == "azure-ndv5"
 
 
+def test_cuda_ranks_get_growable_allocator_segments_unless_the_user_chose():
+    """Every CUDA profile sets PYTORCH_CUDA_ALLOC_CONF (GPT-1.3B's default run at micro batch 16 fits an 80 GB card
+    only with it); the launched command sees it, and a user's own allocator settings are kept."""
+    cuda = [p for p in profiles.all_profiles({}).values() if p.platform == "cuda"]
+    assert len(cuda) >= 5
+    assert all(p.env.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True" for p in cuda), \
+        [p.name for p in cuda if p.env.get("PYTORCH_CUDA_ALLOC_CONF") != "expandable_segments:True"]
+    cmd = [ENTRYPOINT, "launch", "--profile", "generic", "--", "sh", "-c", 'echo "ALLOC=$PYTORCH_CUDA_ALLOC_CONF"']
+    env = clean_env()
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    ours = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert ours.returncode == 0 and "ALLOC=expandable_segments:True" in ours.stdout, ours.stderr
+    theirs = subprocess.run(cmd, env=clean_env(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:128"), capture_output=True,
+                            text=True, timeout=60)
+    assert theirs.returncode == 0 and "ALLOC=max_split_size_mb:128" in theirs.stdout, theirs.stderr
+
+
 def _write_profile(directory: Path, name: str, body: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{name}.ini").write_text("# test profile. Source: http://example.invalid\n" + body)
