@@ -398,13 +398,15 @@ class OutputHead(nn.Module):
         return self.linear(hidden)
 
 
-def lm_loss(local_logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+def lm_loss(local_logits: torch.Tensor, labels: torch.Tensor, group, *,
+            overwrite_logits: bool = False) -> torch.Tensor:
     """Per-token fp32 loss [b, s] from local logits [s, b, V/tp] and labels [b, s].
 
     ``group`` is the TP group the logits' vocabulary is split over (None: TP=1, full logits).
-    Loss masking and averaging are the caller's.
+    Loss masking and averaging are the caller's. ``overwrite_logits``: the caller never reads the logits again,
+    so the backward writes their gradient over them (one logits-sized buffer less at the memory peak).
     """
-    return vocab_parallel_cross_entropy(local_logits, labels.t(), group).t()
+    return vocab_parallel_cross_entropy(local_logits, labels.t(), group, overwrite_logits=overwrite_logits).t()
 
 
 class GPTModel(nn.Module):
@@ -456,7 +458,7 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits.transpose(0, 1)
         # Ulysses: [b, s/sp] -> [b, s]; backward keeps this rank's columns (the mean's gradient is replicated)
-        return gather_from_tp(lm_loss(logits, labels, self.tp_group), self.sp_group)
+        return gather_from_tp(lm_loss(logits, labels, self.tp_group, overwrite_logits=True), self.sp_group)
 
 
     def _run_layers(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:

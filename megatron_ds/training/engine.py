@@ -70,7 +70,8 @@ def pipeline_module(config: GPTConfig, state: ParallelState):
     topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, labels, tp_group).mean()  # mean per-token loss of this micro-batch
+        # mean per-token loss of this micro-batch; the last stage's logits serve nothing after it
+        return lm_loss(logits, labels, tp_group, overwrite_logits=True).mean()
 
     module = PipelineModule(layers=layers, loss_fn=loss_fn, topology=topology,
                             partition_method="type:TransformerLayer", activation_checkpoint_interval=0)

@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.parallel import mappings, state
+from megatron_ds.parallel import cross_entropy, mappings, state
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          seeded_normal, sequence_parallel_dropout, slice_chunks,
                                          weights_drawn_on)
 from megatron_ds.parallel.random import tp_rank_rng
 from megatron_ds.parallel.testing import run_on_ranks
+from megatron_ds.torch_support import compile_problem
 
 TP = 2
 S, B, H_IN, H_OUT, VOCAB = 6, 2, 8, 12, 16
@@ -283,6 +284,56 @@ def test_cross_entropy_chunking_changes_nothing_and_saves_no_fp32_logits(dtype):
     close(results[0][0], expected.detach(), f"{dtype} loss")
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is rounded to bf16
     assert (results[0][1].float() - logits.grad).abs().max() <= tol * logits.grad.abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["chunks", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overwriting_the_logits_gives_the_same_gradient_in_their_memory(dtype, fused, monkeypatch):
+    """overwrite_logits (the model's own loss): the same loss and gradient bit for bit, in the logits' own
+    memory (no second buffer of their size: the compiled kernel stores in place, the chunks write over
+    theirs); a second backward through the graph is refused by autograd instead of reading overwritten
+    values; leaf logits (the caller's values) are refused."""
+    if fused and compile_problem() is not None:
+        pytest.skip(compile_problem())
+    monkeypatch.setattr(cross_entropy, "_compile_failed", False)
+    d = inputs()
+    runs = {}
+    for overwrite in (False, True):
+        base = d["logits"].to(dtype).requires_grad_()
+        logits = base * 1  # computed in the graph, as the output layer's are
+        seen = []
+        logits.register_hook(lambda g: seen.append(g))
+        loss = vocab_parallel_cross_entropy(logits, d["labels"], chunk_elements=3 * VOCAB, fused=fused,
+                                            overwrite_logits=overwrite)
+        (loss * d["dloss"]).sum().backward(retain_graph=True)
+        runs[overwrite] = (loss.detach(), base.grad, seen[0].data_ptr() == logits.data_ptr())
+        if overwrite:
+            with pytest.raises(RuntimeError, match="inplace"):
+                (loss * d["dloss"]).sum().backward()
+    assert not cross_entropy._compile_failed, "the compiled kernels fell back to the eager chunks"
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+    assert runs[True][2] and not runs[False][2], "the gradient is not (only) in the logits' memory"
+    with pytest.raises(ValueError, match="leaf"):
+        vocab_parallel_cross_entropy(d["logits"].requires_grad_(), d["labels"], overwrite_logits=True)
+
+
+def test_the_compiled_overwriting_kernel_allocates_nothing():
+    """Inductor turns the copy_ back into the logits into stores inside the one kernel: its generated code
+    allocates no buffer (a temporary of the logits' size is what overwrite_logits is there to save)."""
+    if compile_problem() is not None:
+        pytest.skip(compile_problem())
+    from torch._inductor.utils import run_and_get_code
+
+    d = inputs()
+    logits = d["logits"].bfloat16().view(-1, VOCAB)
+    n = logits.size(0)
+    args = (logits.float().amax(-1), torch.rand(n), d["labels"].view(-1), -torch.rand(n))
+    expected = cross_entropy._softmax_minus_hit(logits, *args)
+    kernel = torch.compile(cross_entropy._softmax_minus_hit_over, dynamic=False)
+    out, codes = run_and_get_code(kernel, logits.clone(), *args)
+    assert torch.equal(out, expected)
+    calls = [code.split("def call(", 1)[1] for code in codes]
+    assert calls and not any("empty_strided" in call for call in calls), calls
 
 
 def test_mappings_are_conjugate_pairs(tp2):
