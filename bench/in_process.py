@@ -23,6 +23,7 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     from bench.bench_train import GPT2_VOCAB, synthetic_dataset
     from megatron_ds.data.tokenizers import build_tokenizer
     from megatron_ds.parallel.state import init_parallel
+    from megatron_ds.runtime import profiles
     from megatron_ds.precision import from_args as precision_from_args
     from megatron_ds.training.arguments import pad_vocab_size, parse_args, validate
     from megatron_ds.training.engine import build_engine
@@ -30,6 +31,9 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port))):
         os.environ.setdefault(key, value)  # torchrun's, where it launched us
+    # the site profile's variables, as `entrypoint train` sets them for its ranks (the allocator's among them:
+    # read when CUDA starts, below)
+    profiles.apply(profiles.choose(None)[0], os.environ)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prefix = synthetic_dataset(DATA_DIR / f"syn_rank{rank}", 1_000_000)  # one writer per file
     args = parse_args(flags + ["--train-iters", "100", "--lr", "1e-4", "--data-path", str(prefix),

@@ -161,14 +161,15 @@ from bench.in_process import build
 args, built = build(["--preset", "TINY", "--micro-batch-size", "2", *sys.argv[2:]], device="cpu")
 params = sum(p.numel() for p in built.engine.module.parameters())
 print("BUILT " + json.dumps({"rank": int(os.environ["RANK"]), "params": params, "tp": args.tensor_model_parallel_size,
-                             "world": args.world_size}), flush=True)
+                             "world": args.world_size, "profile": os.environ.get("MDS_PROFILE")}), flush=True)
 """
 
 
 @pytest.mark.slow
 def test_in_process_build_gives_each_torchrun_rank_its_tp_half(tmp_path):
     """bench/in_process.build (what profile_train profiles) under torchrun: with TP=2 each of the two ranks builds
-    its half of the model, so a TP step can be profiled as `entrypoint train` runs it."""
+    its half of the model, so a TP step can be profiled as `entrypoint train` runs it, under the site profile's
+    variables as well."""
     script = tmp_path / "build_on_a_rank.py"
     script.write_text(_BUILD_ON_A_RANK)
 
@@ -183,4 +184,7 @@ def test_in_process_build_gives_each_torchrun_rank_its_tp_half(tmp_path):
     whole, = built(1)
     halves = built(2, "--tensor-model-parallel-size", "2")
     assert [r["rank"] for r in halves] == [0, 1] and {(r["tp"], r["world"]) for r in halves} == {(2, 2)}
+    from megatron_ds.runtime import profiles
+
+    assert {r["profile"] for r in [whole, *halves]} == {profiles.choose(None)[0].name}, (whole, halves)
     assert halves[0]["params"] == halves[1]["params"] < whole["params"], (whole, halves)
