@@ -23,8 +23,8 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     from bench.bench_train import GPT2_VOCAB, synthetic_dataset
     from megatron_ds.data.tokenizers import build_tokenizer
     from megatron_ds.parallel.state import init_parallel
-    from megatron_ds.runtime import profiles
     from megatron_ds.precision import from_args as precision_from_args
+    from megatron_ds.runtime import profiles
     from megatron_ds.training.arguments import pad_vocab_size, parse_args, validate
     from megatron_ds.training.engine import build_engine
 
