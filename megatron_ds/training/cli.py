@@ -48,11 +48,30 @@ def main(argv: list[str]) -> int:
     from megatron_ds.training.lr_schedule import ScheduleMismatch
     from megatron_ds.training.loop import train
 
+    from torch.cuda import OutOfMemoryError
+
     try:
         code = train(args)
     except (CheckpointError, ScheduleMismatch) as err:  # missing, partial or mismatched --load: a config error
         code = _error(str(err))
+    except OutOfMemoryError as err:  # a size this GPU cannot hold: a config error too (no restart would help)
+        code = _out_of_memory(args, err)
     leave_rank(code)
+
+
+def _out_of_memory(args, err: BaseException) -> int:
+    """The traceback, then one paragraph that says what to change (exit 2)."""
+    import traceback
+
+    import torch
+
+    from megatron_ds.training import out_of_memory
+
+    traceback.print_exc()
+    index = torch.cuda.current_device()
+    return _error(out_of_memory.message(args, err, int(os.environ.get("RANK", "0")), index,
+                                        out_of_memory.device_memory(index),
+                                        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
 
 
 def leave_rank(code: int) -> NoReturn:

@@ -235,6 +235,25 @@ def test_fp16_with_dynamic_loss_scaling_trains(tmp_path_factory, demo_corpus):
 
 
 @needs(1)
+def test_a_model_too_large_for_the_gpu_says_what_to_change(tmp_path, demo_corpus):
+    """103e9 parameters (8 layers of hidden 32768) hold no GPU: the rank ends with exit 2 (a config error, not
+    restarted) and a last paragraph that names the GPU, torch's own line and the flags that lower the peak."""
+    argv = [sys.executable, "-m", "entrypoint", "train", "--num-layers", "8", "--hidden-size", "32768",
+            "--num-attention-heads", "32", "--seq-length", "256", "--max-position-embeddings", "256",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-4", "--bf16",
+            "--data-path", demo_corpus.prefix, "--vocab-file", demo_corpus.vocab_file, "--merge-file",
+            demo_corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    REPORT["out_of_memory"] = {"returncode": result.returncode, "stderr_tail": result.stderr[-1500:]}
+    write_report()
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "ran out of GPU memory" in last and "PyTorch: " in last and "--checkpoint-activations" in last, last
+    assert "--tensor-model-parallel-size" in last and "--micro-batch-size" in last, last
+
+
+@needs(1)
 def test_metrics_on_gpu_report_mfu_and_memory(reference):
     for r in reference:
         assert r["mfu"] is not None and 0 < r["mfu"] < 1, r
