@@ -85,8 +85,10 @@ def environment() -> dict:
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
-    # the switches a stage sets through the environment (MDS_INDUCTOR_OPTIONS, TORCHINDUCTOR_*) change what ran
-    switches = {k: v for k, v in os.environ.items() if k.startswith(("MDS_INDUCTOR", "TORCHINDUCTOR_", "MDS_FUSED"))}
+    # the switches a stage sets through the environment (MDS_INDUCTOR_OPTIONS, TORCHINDUCTOR_*) change what ran;
+    # where inductor keeps its kernels (torch sets that variable itself) does not
+    switches = {k: v for k, v in os.environ.items()
+                if k.startswith(("MDS_INDUCTOR", "TORCHINDUCTOR_", "MDS_FUSED")) and k != "TORCHINDUCTOR_CACHE_DIR"}
     if switches:
         info["switches"] = switches
     return info

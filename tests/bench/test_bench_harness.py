@@ -76,7 +76,7 @@ def test_failed_run_is_recorded_not_lost(tmp_path):
            "--warmup-steps", "1", "--results-dir", str(results), "--work-dir", str(tmp_path / "work"), "--no-report",
            "--", "--preset", "TINY", "--micro-batch-size", "2", "--hidden-size", "65"]
     # a switch set through the environment is part of what ran: the record keeps it
-    env = dict(os.environ, MDS_INDUCTOR_OPTIONS='{"fallback_random": false}')
+    env = dict(os.environ, MDS_INDUCTOR_OPTIONS='{"fallback_random": false}', TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 1
     rec = json.loads((results / "bad.json").read_text())
