@@ -857,6 +857,17 @@ stage_tpsched() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batch
     t 160 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 16
   fi
 }
+stage_memory18() {  # one GPU, one call: session 18's memory changes on GPUs. The out-of-memory paragraph end to end
+  # (a 103e9-parameter model through entrypoint train); GPT-1.3B at micro batch 24 with the default flags, which the
+  # logits' gradient written over the logits (72.0 GiB at 16 on an H100) may let fit on an H200
+  local tag=${RUN_TAG:-s19}
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_oom.json" t 200 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k too_large
+  t 200 $B --steps 20 --warmup-steps 5 --name "gpt1_3b_s2048_mbs24_z1_default_flags_$tag" -- $GPT13 \
+    --micro-batch-size 24 --zero-stage 1
+  cp "$LOGS/gpu_tests_oom.json" "$OUT"/ 2>/dev/null
+}
 stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-0006 on the default-flags GPT-1.3B step
   # (global batch = micro batch 16: every step is a boundary), alternated A B A B
   local P="$PYTHON bench/profile_train.py --steps 12 --variant compile" A="-- $GPT13 --micro-batch-size 16 --zero-stage 1"
