@@ -25,7 +25,7 @@ def levers(args) -> list[str]:
     if args.micro_batch_size > 1:
         out.append(f"a smaller --micro-batch-size (now {args.micro_batch_size}; the global batch "
                    f"{args.global_batch_size} stays, through more accumulation steps)")
-    if getattr(args, "recompute_granularity", None) != "full":
+    if args.recompute_granularity != "full":
         out.append("--checkpoint-activations (each layer recomputed in backward)")
     if args.data_parallel_size > 1 and args.zero_stage < 3:
         out.append(f"--zero-stage {max(2, args.zero_stage + 1)} (shards more of the training state over the "
