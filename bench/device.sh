@@ -857,6 +857,23 @@ stage_tpsched() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batch
     t 160 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 16
   fi
 }
+stage_halves27() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (global batch 32) with the default (reorder)
+  # against --tp-comm-overlap halves (each layer runs the micro batch's two halves interleaved, so one half's
+  # collectives run beside the other's GEMMs), micro batch 8; on an H200 (141 GB) micro batch 16 as well
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s19}
+  ds_patches
+  t 220 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_$tag" -- $GPT27_TP2SP --micro-batch-size 8  # cold
+  t 200 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_halves_$tag" -- $GPT27_TP2SP --micro-batch-size 8 \
+    --tp-comm-overlap halves
+  if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+    t 160 $B $S --name "gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_halves_$tag" -- $GPT27_TP2SP --micro-batch-size 16 \
+      --tp-comm-overlap halves
+  fi
+}
+stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder against halves (global batch 16), then
+  # halves' GPU tests (compiled against its eager twin, dropout on and off)
+  overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
+}
 stage_memory18() {  # one GPU, one call: session 18's memory changes on GPUs. The out-of-memory paragraph end to end
   # (a 103e9-parameter model through entrypoint train); GPT-1.3B at micro batch 24 with the default flags, which the
   # logits' gradient written over the logits (72.0 GiB at 16 on an H100) may let fit on an H200

@@ -168,7 +168,7 @@ class GPTConfig:
               f"params_dtype must be float32, bfloat16 or float16, got {self.params_dtype}")
         _need(self.tp_comm_overlap in (None, *OVERLAP_MODES), "--tp-comm-overlap",
               f"--tp-comm-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.tp_comm_overlap!r}")
-        _need(self.tp_comm_overlap is None or self.torch_compile, "--tp-comm-overlap",
+        _need(self.tp_comm_overlap in (None, "halves") or self.torch_compile, "--tp-comm-overlap",
               "--tp-comm-overlap is scheduled by torch.compile: it needs the compiled layers")
         _need(self.tp_comm_overlap not in ("pipeline", "chunked") or self.sequence_parallel, "--tp-comm-overlap",
               f"--tp-comm-overlap {self.tp_comm_overlap} splits the sequence-parallel all-gathers and "

@@ -265,6 +265,8 @@ class TransformerLayer(nn.Module):
             for linear in self.modules():
                 if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
                     linear.chunked = True
+        if config.tp_comm_overlap == "halves":  # the micro batch's two halves interleaved
+            self._forward = self._halves_forward
         if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
             keep_rank_stream_core_eager()
             prepare_group(config.tp_comm_overlap, group)
@@ -280,6 +282,26 @@ class TransformerLayer(nn.Module):
         attention = self.attention  # its three steps called from here: see SelfAttention.core_for
         x = x + self._drop(attention.project(attention.core_for()(*attention.heads(self.input_norm(x)))))
         return x + self._drop(self.mlp(self.post_attention_norm(x)))
+
+    def _halves_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``--tp-comm-overlap halves``: the same block on the two halves of the micro batch, in an order that puts
+        a GEMM of one half after each collective of the other (the compiler's passes then issue the collective
+        early and wait late, parallel/overlap.py): B's first gather beside A's QKV GEMM, A's scatter beside B's
+        projection, B's MLP gather beside A's MLP and A's MLP scatter beside B's. Both cores run back to back:
+        under TP with dropout they run eagerly between two graphs (SelfAttention.core_for), and a graph
+        boundary between A's projection and its scatter's consumer would wait for the scatter there."""
+        if x.size(1) < 2:  # nothing to split
+            return TransformerLayer._forward(self, x)
+        attention, core = self.attention, self.attention.core_for()
+        xa, xb = x.tensor_split(2, dim=1)
+        qa = attention.heads(self.input_norm(xa))
+        qb = attention.heads(self.input_norm(xb))
+        ca, cb = core(*qa), core(*qb)
+        ya = xa + self._drop(attention.project(ca))
+        yb = xb + self._drop(attention.project(cb))
+        ma = self.mlp(self.post_attention_norm(ya))
+        mb = self.mlp(self.post_attention_norm(yb))
+        return torch.cat([ya + self._drop(ma), yb + self._drop(mb)], dim=1)
 
     @property
     def recompute(self) -> str | None:

@@ -24,14 +24,20 @@ collectives are graph nodes (torch's functional ones, see mappings.py), so induc
   all-reduce does by hand: three of the four backward collectives of a sequence-parallel layer get one. Not yet
   measured on GPUs.
 
-All change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
+- ``halves``: ``reorder``'s passes, and each layer runs its micro batch as two halves in an interleaved order
+  (TransformerLayer._halves_forward), as DeepSpeed's Domino does by hand: one half's collectives are independent
+  of the other half's GEMMs, so the passes can issue them beside each other in the forward too, with full-height
+  GEMMs (chunked's are split) and no symmetric memory. Needs a micro batch of at least 2.
+
+``halves`` splits the batch, so dropout draws each half's mask on its own: the same distribution, other masks.
+The others change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
 ``reorder`` is the default wherever it can run (compiled layers, TP > 1): GPT-6.7B TP=2+SP with gradient
 accumulation ran 1.03x none in one call, and no layout measured slower (session 13).
 """
 
 from __future__ import annotations
 
-MODES = ("reorder", "pipeline", "chunked", "wgrad")
+MODES = ("reorder", "pipeline", "chunked", "wgrad", "halves")
 
 # Torch's recommended pass list (torch/_inductor/config.py), where this torch has those passes; the older trio
 # otherwise. Each pass name is a function in torch._inductor.comms.

@@ -161,6 +161,8 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
                  marks=needs(2)),
     pytest.param("tp2_sp_compile_wgrad", [*TP2, "--sequence-parallel", "--tp-comm-overlap", "wgrad"], 2,
                  marks=needs(2)),
+    pytest.param("tp2_sp_compile_halves", [*TP2, "--sequence-parallel", "--tp-comm-overlap", "halves"], 2,
+                 marks=needs(2)),
     pytest.param("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], 2, marks=needs(2)),
     pytest.param("zero3_dp2_compile", ["--zero-stage", "3"], 2, marks=needs(2)),
     pytest.param("zero3_compile_1gpu", ["--zero-stage", "3"], 1, marks=needs(1)),
@@ -173,13 +175,15 @@ def test_compile_matches_eager(tmp_path_factory, demo_corpus, name, extra, nproc
     dynamo traced DeepSpeed's memory_efficient_linear Function wrongly; off when compiling (session 7: 1 GPU passes).
     --tp-comm-overlap (reorder, the default under TP; pipeline = torch's asynchronous TP over symmetric memory;
     chunked = each SP GEMM split by sequence chunk) moves or splits the TP collectives of the compiled layer: the
-    same sums, so the same bounds; none keeps the plain schedule.
+    same sums, so the same bounds; none keeps the plain schedule. halves splits the micro batch, and with it the
+    dropout masks, so its eager run splits too.
     Dropout on or off, the same tolerance as every layout: the compiled layers draw the eager masks (ATen's
     dropout kernel, compiled.LAYER_OPTIONS; before session 9 inductor drew its own, and the bounds were 2x)."""
     suffix = "_dropout" if dropout else ""
     flags = ["--bf16", *extra, *(DROPOUT if dropout else [])]
     overlap = extra[extra.index("--tp-comm-overlap"):][:2] if "--tp-comm-overlap" in extra else []
-    eager_flags = [f for f in flags if f not in overlap]  # the overlap is a compiled schedule: eager has none
+    # the overlap is a compiled schedule: eager has none; halves' eager twin splits the batch as it does (its masks)
+    eager_flags = flags if "halves" in overlap else [f for f in flags if f not in overlap]
     eager = run_train(tmp_path_factory, demo_corpus, f"{name}_eager{suffix}", eager_flags, nproc=nproc)
     run = run_train(tmp_path_factory, demo_corpus, f"{name}{suffix}", [*flags, "--torch-compile"], nproc=nproc)
     assert "torch.compile on" in REPORT[f"{name}{suffix}"]["stdout_head"]

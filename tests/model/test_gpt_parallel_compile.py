@@ -120,7 +120,7 @@ def overlap_worker(cases: list[str]) -> dict:
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         for case in cases:
             results[case] = {"eager": run_case(GPTConfig(**CASES[case]), st.tp_group)}
-            for mode in (None, "reorder", "chunked", "wgrad"):
+            for mode in (None, "reorder", "chunked", "wgrad", "halves"):
                 if mode == "chunked" and not CASES[case].get("sequence_parallel"):
                     continue
                 config = GPTConfig(**dict(CASES[case], torch_compile=True, tp_comm_overlap=mode))
@@ -137,7 +137,9 @@ def test_tp_comm_overlap_modes_move_the_waits_and_keep_the_sums(monkeypatch):
     forward's gathers and scatters get one too. wgrad: more than reorder as well, with and without SP, since the
     weight-gradient GEMMs are moved into the backward collectives' windows (parallel/collective_windows.py): on
     the one-layer model 9 of 18 collectives with SP against reorder's 6 (its 6 are the norms' tiny all-reduces),
-    2 of 6 without. All: the eager sums."""
+    2 of 6 without. halves: more than reorder as well, with and without SP, since one half's collectives sit
+    beside the other half's GEMMs in the forward too. All: the eager sums (halves splits the batch: the same
+    sums row by row)."""
     if compile_problem() is not None:  # torch 2.1: --torch-compile (and so the overlap) is refused outright
         pytest.skip(compile_problem())
     monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
@@ -152,7 +154,9 @@ def test_tp_comm_overlap_modes_move_the_waits_and_keep_the_sums(monkeypatch):
             assert reorder["overlapped"] >= 1, f"{case} rank {r}: reorder left every wait at its collective"
             wgrad = got["wgrad"]
             assert wgrad["beside_gemm"] > reorder["beside_gemm"], f"{case} rank {r}: {wgrad} vs {reorder}"
-            overlapped = [reorder, wgrad]
+            halves = got["halves"]
+            assert halves["beside_gemm"] > reorder["beside_gemm"], f"{case} rank {r}: {halves} vs {reorder}"
+            overlapped = [reorder, wgrad, halves]
             assert ("chunked" in got) == CASES[case].get("sequence_parallel", False), case
             if "chunked" in got:
                 chunked = got["chunked"]
@@ -225,3 +229,47 @@ def test_tp_comm_overlap_pipeline_fuses_every_sequence_parallel_gather_and_scatt
         plain, dropout = result["gpt2_sp"]["fused"], result["gpt2_sp_dropout"]["fused"]
         assert sorted(sum(dropout, [])) == sorted(sum(plain, [])), f"rank {r}: dropout {dropout} vs none {plain}"
         assert len(dropout) <= len(plain) + 2, f"rank {r}: the dropout layer in more than two graphs each way: {dropout}"
+
+
+# the batch split draws each half's dropout masks on its own: compared with halves run eagerly, which draws the same
+HALVES_CASES = {"gpt2_sp": CASES["gpt2_sp"], "llama": CASES["llama"],
+                "gpt2_sp_dropout": dict(CASES["gpt2_dropout_sp"], attention_dropout=0.2)}
+
+
+def halves_worker(cases: list[str]) -> dict:
+    """Per case: the plain eager layer, halves eager, and halves compiled (with its passes)."""
+    import torch._dynamo
+
+    st = state.get_state()
+    torch.set_num_threads(1)
+    results = {}
+    for case in cases:
+        torch._dynamo.reset()
+        results[case] = {"plain": run_case(GPTConfig(**HALVES_CASES[case]), st.tp_group),
+                         "eager": run_case(GPTConfig(**dict(HALVES_CASES[case], tp_comm_overlap="halves")), st.tp_group),
+                         "compiled": run_case(GPTConfig(**dict(HALVES_CASES[case], tp_comm_overlap="halves",
+                                                               torch_compile=True)), st.tp_group)}
+    return results
+
+
+def test_halves_is_the_plain_layer_split_by_batch_and_compiles_to_its_eager_sums(monkeypatch):
+    """--tp-comm-overlap halves runs each layer on the two halves of the micro batch. Without dropout that is the
+    plain layer's sums; with hidden and attention dropout (the core eager between two graphs, on the rank's own
+    stream) each half draws its own masks, so the compiled layer is compared with halves run eagerly (the flag's
+    eager twin), and must differ from the plain layer (else the masks were not drawn per half and the test shows
+    nothing)."""
+    if compile_problem() is not None:  # torch 2.1: --torch-compile is refused outright
+        pytest.skip(compile_problem())
+    monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
+    cases = list(HALVES_CASES)
+    for r, result in enumerate(run_on_ranks(halves_worker, 2, cases, tp=2, timeout=900)):
+        for case in cases:
+            got = result[case]
+            pairs = [("compiled", "eager")] + ([] if "dropout" in case else [("eager", "plain")])
+            for run, against in pairs:
+                close(got[run]["loss"], got[against]["loss"], f"{case} rank {r} {run} loss")
+                close(got[run]["logits"], got[against]["logits"], f"{case} rank {r} {run} logits")
+                for name, grad in got[against]["grads"].items():
+                    close(got[run]["grads"][name], grad, f"{case} rank {r} {run} grad of {name}")
+        dropout = result["gpt2_sp_dropout"]
+        assert not torch.allclose(dropout["eager"]["loss"], dropout["plain"]["loss"]), f"rank {r}: same masks"

@@ -224,7 +224,7 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
 
 def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     """--tp-comm-overlap is a compiler schedule: TP > 1 and torch.compile, and pipeline also --sequence-parallel and
-    CUDA; each refusal names the flag. The bare flag becomes the mode that runs here. Without the flag: reorder
+    CUDA, halves a micro batch of 2 or more (and it alone runs eagerly too); each refusal names the flag. The bare flag becomes the mode that runs here. Without the flag: reorder
     where the layers compile with TP > 1, else off; none turns it off anywhere."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
@@ -274,6 +274,15 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     assert mode("--tp-comm-overlap", "wgrad", "--sequence-parallel") == "wgrad"
     check(files, [*tp2, "--torch-compile", "--sequence-parallel", "--tp-comm-overlap", "chunked", "--bf16",
                   "--fp8-format", "hybrid"], 2, "--tp-comm-overlap", "use reorder with FP8")
+    assert mode("--tp-comm-overlap", "halves") == "halves"  # with or without SP
+    assert mode("--tp-comm-overlap", "halves", "--sequence-parallel") == "halves"
+    args = parse_args(base(files, *tp2, "--tp-comm-overlap", "halves", "--no-torch-compile"), env={})
+    validate(args, 2)
+    assert args.tp_comm_overlap == "halves"  # eager: the compiled run's twin (same dropout masks)
+    check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "halves", "--micro-batch-size", "1"], 2,
+          "--tp-comm-overlap", "halves splits each micro batch in two and --micro-batch-size is 1: give at least 2")
+    check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "halves", "--bf16", "--fp8-format", "hybrid"], 2,
+          "--tp-comm-overlap", "halves splits each GEMM by half of the micro batch")
 
 
 def test_deepspeed_config_must_agree(files):

@@ -491,8 +491,9 @@ def _inductor_options(args: argparse.Namespace) -> None:
 
 def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
     """--tp-comm-overlap is a schedule the compiler makes: it needs TP > 1 and the compiled layers; pipeline and
-    chunked also --sequence-parallel, pipeline CUDA as well (symmetric memory). Without the flag, reorder wherever
-    it can run; the bare flag becomes the mode that runs here; none is off."""
+    chunked also --sequence-parallel, pipeline CUDA as well (symmetric memory). halves needs a micro batch of 2 or
+    more, and runs eagerly too (nothing overlaps there, but its dropout masks are the compiled run's). Without the
+    flag, reorder wherever it can run; the bare flag becomes the mode that runs here; none is off."""
     from megatron_ds.parallel.overlap import default_mode, resolve_mode
 
     if args.tp_comm_overlap is None:
@@ -505,19 +506,23 @@ def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
     flag = "--tp-comm-overlap"
     if dims.tp == 1:
         raise ConfigError(flag, "needs --tensor-model-parallel-size > 1: there is no TP communication to overlap")
-    if not args.torch_compile:
+    if not args.torch_compile and mode != "halves":  # eager halves: the compiled run's twin, same dropout masks
         raise ConfigError(flag, "the overlap is scheduled by torch.compile, which is off here (--no-torch-compile, "
                           "or eager by default: CPU, ROCm, or a layout mds does not compile); give --torch-compile "
                           "or drop the flag")
     if mode in ("pipeline", "chunked") and not args.sequence_parallel:
         raise ConfigError(flag, f"{mode} splits the sequence-parallel all-gathers and reduce-scatters: it needs "
                           "--sequence-parallel (reorder works without)")
-    if mode == "chunked":
+    if mode in ("chunked", "halves"):
         from megatron_ds.precision.fp8 import fp8_requested
 
         if fp8_requested(args) is not None:
-            raise ConfigError(flag, "chunked splits each GEMM by sequence chunk, and FP8 would then scale each "
-                              "chunk on its own (untested): use reorder with FP8")
+            what = "sequence chunk" if mode == "chunked" else "half of the micro batch"
+            raise ConfigError(flag, f"{mode} splits each GEMM by {what}, and FP8 would then scale each part on its "
+                              "own (untested): use reorder with FP8")
+    if mode == "halves" and args.micro_batch_size < 2:
+        raise ConfigError(flag, f"halves splits each micro batch in two and --micro-batch-size is "
+                          f"{args.micro_batch_size}: give at least 2, or use reorder")
     if mode == "pipeline" and not cuda_gpu_visible():
         raise ConfigError(flag, "pipeline exchanges its chunks through CUDA symmetric memory and no CUDA GPU is "
                           "visible here (reorder runs wherever the layers compile)")
