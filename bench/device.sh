@@ -870,6 +870,19 @@ stage_halves27() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (global bat
       --tp-comm-overlap halves
   fi
 }
+stage_halvesprofile() {  # issue 15 on 2 GPUs, one call: where GPT-2.7B TP=2+SP's step goes (micro batch 8, global
+  # batch 8) with the default (reorder) and with halves, profiled on both ranks as `entrypoint train` builds it
+  ds_patches
+  local mode flag
+  for mode in default halves; do
+    flag=""
+    [ "$mode" = default ] || flag="--tp-comm-overlap $mode"
+    t ${PROFILE_LIMIT:-260} $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py \
+      --steps 8 --variant compile --out "$LOGS/profile_tp2_sp_gpt2_7b_$mode.txt" -- --preset GPT2_7B --bf16 \
+      --micro-batch-size 8 --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel $flag
+    cp "$LOGS"/profile_tp2_sp_gpt2_7b_$mode.* "$OUT"/ 2>/dev/null
+  done
+}
 stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder against halves (global batch 16), then
   # halves' GPU tests (compiled against its eager twin, dropout on and off)
   overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
