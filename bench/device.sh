@@ -883,6 +883,19 @@ stage_halvesprofile() {  # issue 15 on 2 GPUs, one call: where GPT-2.7B TP=2+SP'
     cp "$LOGS"/profile_tp2_sp_gpt2_7b_$mode.* "$OUT"/ 2>/dev/null
   done
 }
+stage_halvesfr() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batch 8, global batch 32), the default
+  # and halves, each with torch's collective flight recorder on (as `entrypoint` sets it) and off
+  # (TORCH_FR_BUFFER_SIZE=0, the user's setting wins): halves issues twice the collectives, each recorded on the host
+  local S="--steps 6 --warmup-steps 2" tag=${RUN_TAG:-s19} mode flag
+  ds_patches
+  for mode in default halves; do
+    flag=""
+    [ "$mode" = default ] || flag="--tp-comm-overlap $mode"
+    t 200 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_${mode}_fr_$tag" -- $GPT27_TP2SP --micro-batch-size 8 $flag
+    TORCH_FR_BUFFER_SIZE=0 t 160 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_${mode}_nofr_$tag" -- $GPT27_TP2SP \
+      --micro-batch-size 8 $flag
+  done
+}
 stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder against halves (global batch 16), then
   # halves' GPU tests (compiled against its eager twin, dropout on and off)
   overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
