@@ -896,6 +896,12 @@ stage_halvesfr() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batc
       --micro-batch-size 8 $flag
   done
 }
+stage_halvestests() {  # issue 15 on 2 GPUs: halves' GPU tests alone (compiled TP=2+SP against its eager twin, dropout
+  # on and off)
+  ds_patches
+  MDS_GPU_REPORT="$OUT/gpu_tests_halves.json" t "${HALVES_LIMIT:-400}" $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k "tp2_sp_compile_halves"
+}
 stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder against halves (global batch 16), then
   # halves' GPU tests (compiled against its eager twin, dropout on and off)
   overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
