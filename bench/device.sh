@@ -907,7 +907,7 @@ stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder ag
   overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
 }
 stage_memory18() {  # one GPU, one call: session 18's memory changes on GPUs. The out-of-memory paragraph end to end
-  # (a 103e9-parameter model through entrypoint train); GPT-1.3B at micro batch 24 with the default flags, which the
+  # (a small model at micro batch 512 through entrypoint train); GPT-1.3B at micro batch 24 with the default flags, which the
   # logits' gradient written over the logits (72.0 GiB at 16 on an H100) may let fit on an H200
   local tag=${RUN_TAG:-s19}
   ds_patches

@@ -240,11 +240,12 @@ def test_fp16_with_dynamic_loss_scaling_trains(tmp_path_factory, demo_corpus):
 
 @needs(1)
 def test_a_model_too_large_for_the_gpu_says_what_to_change(tmp_path, demo_corpus):
-    """103e9 parameters (8 layers of hidden 32768) hold no GPU: the rank ends with exit 2 (a config error, not
-    restarted) and a last paragraph that names the GPU, torch's own line and the flags that lower the peak."""
-    argv = [sys.executable, "-m", "entrypoint", "train", "--num-layers", "8", "--hidden-size", "32768",
-            "--num-attention-heads", "32", "--seq-length", "256", "--max-position-embeddings", "256",
-            "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-4", "--bf16",
+    """A small model at micro batch 512 x sequence 2048 holds no GPU (its logits alone are 105 GB): the rank ends
+    with exit 2 (a config error, not restarted) and a last paragraph that names the GPU, torch's own line and the
+    flags that lower the peak. (A 103e9-parameter model, tried first, had not ended after 200 s on an H100.)"""
+    argv = [sys.executable, "-m", "entrypoint", "train", "--num-layers", "2", "--hidden-size", "1024",
+            "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
+            "--micro-batch-size", "512", "--global-batch-size", "512", "--train-iters", "2", "--lr", "1e-4", "--bf16",
             "--data-path", demo_corpus.prefix, "--vocab-file", demo_corpus.vocab_file, "--merge-file",
             demo_corpus.merge_file, "--tokenizer-type", "GPT2BPETokenizer", "--split", "98,2,0"]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
