@@ -21,13 +21,15 @@ collectives are graph nodes (torch's functional ones, see mappings.py), so induc
 
 - ``wgrad``: ``reorder``'s passes, then ours (parallel/collective_windows.py), which moves an independent GEMM
   (in backward, a weight gradient) between each collective's issue and its wait, as Megatron's asynchronous TP
-  all-reduce does by hand: three of the four backward collectives of a sequence-parallel layer get one. Not yet
-  measured on GPUs.
+  all-reduce does by hand: three of the four backward collectives of a sequence-parallel layer get one. 0.988x
+  ``reorder`` on GPT-6.7B TP=2+SP (2 x H200, session 16), so opt-in.
 
 - ``halves``: ``reorder``'s passes, and each layer runs its micro batch as two halves in an interleaved order
   (TransformerLayer._halves_forward), as DeepSpeed's Domino does by hand: one half's collectives are independent
   of the other half's GEMMs, so the passes can issue them beside each other in the forward too, with full-height
-  GEMMs (chunked's are split) and no symmetric memory. Needs a micro batch of at least 2.
+  GEMMs (chunked's are split) and no symmetric memory. Needs a micro batch of at least 2. Measured 0.85-0.97x
+  ``reorder`` on GPT-2.7B TP=2+SP (2 x H100, session 19): it doubles the launches, and the host, already near the
+  GPU's pace, fell behind (rank 0's GPU idle 263 ms per step against 18). Opt-in.
 
 ``halves`` splits the batch, so dropout draws each half's mask on its own: the same distribution, other masks.
 The others change the schedule only: the same kernels compute the same sums (tests compare against the eager layer).
