@@ -902,6 +902,15 @@ stage_halvestests() {  # issue 15 on 2 GPUs: halves' GPU tests alone (compiled T
   MDS_GPU_REPORT="$OUT/gpu_tests_halves.json" t "${HALVES_LIMIT:-400}" $PYTHON -m pytest -m gpu tests/gpu -q -rA \
     -p no:cacheprovider -k "tp2_sp_compile_halves"
 }
+stage_tpgraphs() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batch 8, global batch 32) with the compiled
+  # layers launched from CUDA graphs (inductor's cudagraph trees, through MDS_INDUCTOR_OPTIONS) against the default:
+  # the profiles of session 19 put the default's host near the GPU's pace
+  local S="--steps 6 --warmup-steps 2" tag=${RUN_TAG:-s19}
+  ds_patches
+  MDS_INDUCTOR_OPTIONS='{"triton.cudagraphs": true}' t 200 $B $S \
+    --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_cudagraphs_$tag" -- $GPT27_TP2SP --micro-batch-size 8
+  t 170 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_g_$tag" -- $GPT27_TP2SP --micro-batch-size 8
+}
 stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder against halves (global batch 16), then
   # halves' GPU tests (compiled against its eager twin, dropout on and off)
   overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
