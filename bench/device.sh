@@ -737,6 +737,16 @@ stage_ncclprobe() {  # issue 15 on 2 GPUs: NCCL's all-gather / reduce-scatter of
     --out "$OUT/nccl_probe.jsonl"
 }
 
+stage_ceprobe() {  # issue 15 on 2 GPUs, one short call: GPT-2.7B's sequence-parallel gather/scatter (micro batch 8:
+  # 80 MiB gathered, hidden 2560) by NCCL's kernels and by the copy engines (torch symmetric memory's
+  # low-contention ops), alone and beside the MLP GEMM (bench/probe_nccl.py --transport)
+  local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
+  local transport
+  for transport in nccl ce-workspace ce-symmetric; do
+    t 60 $P --label "$transport" --transport "$transport" --hidden 2560 --sizes-mib 80 --out "$OUT/ce_probe.jsonl"
+  done
+}
+
 stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradient accumulation (micro batch 4,
   # global batch 16), so the optimizer step (45 ms at global batch 4) is paid once per 4 micro-batches; each lever
   local S="--steps 7 --warmup-steps 3"

@@ -10,6 +10,11 @@ Sizes are the gathered tensor (micro batch x sequence x hidden, bf16): GPT-6.7B 
 2048 gathers 64 MiB per call. For each size it times all_gather_into_tensor and reduce_scatter_tensor on their
 own (bus bandwidth as nccl-tests counts it), then each beside the MLP's first GEMM on another stream: what the
 collective and the GEMM cost each other when they overlap.
+
+--transport ce-workspace / ce-symmetric time torch's symmetric-memory "low-contention" all-gather and
+reduce-scatter instead of NCCL's: peer pulls by the copy engines over NVLink, which leave the SMs to the GEMM.
+ce-workspace copies the input into a symmetric workspace first (one SM copy, what a compiled layer's tensor would
+need); ce-symmetric allocates the inputs in symmetric memory (no SM copy at all).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ def main() -> None:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--transport", choices=["nccl", "ce-workspace", "ce-symmetric"], default="nccl")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -45,17 +51,12 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     side = torch.cuda.Stream()
     rows = []
+    gather, scatter, tensor = _transport(args.transport)
     for size in args.sizes_mib:
         tokens = size * MIB // (2 * args.hidden)
-        full = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
-        shard = torch.empty(tokens // world, args.hidden, device="cuda", dtype=torch.bfloat16)
+        full = tensor(tokens, args.hidden).normal_()
+        shard = tensor(tokens // world, args.hidden).normal_()
         weight = torch.randn(4 * args.hidden // world, args.hidden, device="cuda", dtype=torch.bfloat16)
-
-        def gather():
-            dist.all_gather_into_tensor(full, shard)
-
-        def scatter():
-            dist.reduce_scatter_tensor(shard, full)
 
         def gemm():
             torch.mm(full, weight.t())
@@ -70,8 +71,8 @@ def main() -> None:
             return both
 
         gemm_ms = bench_ms(gemm, reps=args.iters)
-        row = {"label": args.label, "world": world, "size_mib": size, "gemm_ms": gemm_ms}
-        for name, fn in (("all_gather", gather), ("reduce_scatter", scatter)):
+        row = {"label": args.label, "transport": args.transport, "world": world, "size_mib": size, "gemm_ms": gemm_ms}
+        for name, fn in (("all_gather", lambda: gather(full, shard)), ("reduce_scatter", lambda: scatter(shard, full))):
             dist.barrier()
             ms = bench_ms(fn, reps=args.iters)
             row[f"{name}_ms"] = ms
@@ -87,6 +88,35 @@ def main() -> None:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     dist.destroy_process_group()
+
+
+def _transport(name: str):
+    """(gather(full, shard), scatter(shard, full), tensor(*shape)) for the transport: gather fills full from every
+    rank's shard, scatter leaves this rank's slice of the ranks' summed fulls in shard."""
+    def plain(*shape):
+        return torch.empty(*shape, device="cuda", dtype=torch.bfloat16)
+
+    if name == "nccl":
+        return (lambda full, shard: dist.all_gather_into_tensor(full, shard),
+                lambda shard, full: dist.reduce_scatter_tensor(shard, full), plain)
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD.group_name
+    symm_mem.enable_symm_mem_for_group(group)
+    ops, wait = torch.ops.symm_mem, torch.ops._c10d_functional.wait_tensor
+
+    def symmetric(*shape):
+        t = symm_mem.empty(*shape, device="cuda", dtype=torch.bfloat16)
+        symm_mem.rendezvous(t, group)
+        return t
+
+    def gather(full, shard):  # into a new tensor (the op's), where NCCL writes into full
+        wait(ops._low_contention_all_gather(shard, group))
+
+    def scatter(shard, full):
+        wait(ops._low_contention_reduce_scatter(full, "sum", group))
+
+    return gather, scatter, symmetric if name == "ce-symmetric" else plain
 
 
 if __name__ == "__main__":
