@@ -232,8 +232,8 @@ def test_tp_comm_overlap_pipeline_fuses_every_sequence_parallel_gather_and_scatt
 
 
 # the batch split draws each half's dropout masks on its own: compared with halves run eagerly, which draws the same
-HALVES_CASES = {"gpt2_sp": CASES["gpt2_sp"], "llama": CASES["llama"],
-                "gpt2_sp_dropout": dict(CASES["gpt2_dropout_sp"], attention_dropout=0.2)}
+# (without SP, halves' sums against eager are in the overlap test above)
+HALVES_CASES = {"gpt2_sp": CASES["gpt2_sp"], "gpt2_sp_dropout": dict(CASES["gpt2_dropout_sp"], attention_dropout=0.2)}
 
 
 def halves_worker(cases: list[str]) -> dict:
