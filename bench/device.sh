@@ -33,6 +33,7 @@ GPT27_TP2SP="--preset GPT2_7B --bf16 --global-batch-size 32 --zero-stage 1 --npr
 GPT27_TP2SP="$GPT27_TP2SP --tensor-model-parallel-size 2 --sequence-parallel"
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
+overlap_flag() { [ "$1" = default ] || echo "--tp-comm-overlap $1"; }  # a stage's mode name -> its flag
 
 stage_headline() {  # GPT-1.3B, one GPU, against the HF baseline in the same call: defaults, then the best settings
   t 300 $B --steps 20 --warmup-steps 5 --baseline --name gpt1_3b_s2048_mbs16_z1_vs_hf -- $GPT13 \
@@ -707,12 +708,11 @@ stage_tppipelinetests() {  # issue 15 on 2 GPUs: compiled TP=2+SP with --tp-comm
 stage_tpprofile() {  # issue 15 on 2 GPUs: where the GPT-6.7B TP=2+SP step with the default flags goes (GEMM,
   # attention, NCCL, fused element-wise, idle), profiled on both ranks as `entrypoint train` builds it (session 13
   # profiled it before reorder became the default). TP_OVERLAP=chunked (or another mode) profiles that mode.
-  local mode=${TP_OVERLAP:-default} flag=""
-  [ "$mode" = default ] || flag="--tp-comm-overlap $mode"
+  local mode=${TP_OVERLAP:-default}
   ds_patches
   t ${PROFILE_LIMIT:-360} $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py \
     --steps 10 --variant compile --out "$LOGS/profile_tp2_sp_gpt6_7b_$mode.txt" -- --preset GPT6_7B --bf16 \
-    --micro-batch-size 4 --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel $flag
+    --micro-batch-size 4 --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel $(overlap_flag $mode)
   cp "$LOGS"/profile_tp2_sp_gpt6_7b_$mode.* "$OUT"/ 2>/dev/null
 }
 
@@ -883,27 +883,24 @@ stage_halves27() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (global bat
 stage_halvesprofile() {  # issue 15 on 2 GPUs, one call: where GPT-2.7B TP=2+SP's step goes (micro batch 8, global
   # batch 8) with the default (reorder) and with halves, profiled on both ranks as `entrypoint train` builds it
   ds_patches
-  local mode flag
+  local mode
   for mode in default halves; do
-    flag=""
-    [ "$mode" = default ] || flag="--tp-comm-overlap $mode"
     t ${PROFILE_LIMIT:-260} $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py \
       --steps 8 --variant compile --out "$LOGS/profile_tp2_sp_gpt2_7b_$mode.txt" -- --preset GPT2_7B --bf16 \
-      --micro-batch-size 8 --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel $flag
+      --micro-batch-size 8 --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel $(overlap_flag $mode)
     cp "$LOGS"/profile_tp2_sp_gpt2_7b_$mode.* "$OUT"/ 2>/dev/null
   done
 }
 stage_halvesfr() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batch 8, global batch 32), the default
   # and halves, each with torch's collective flight recorder on (as `entrypoint` sets it) and off
   # (TORCH_FR_BUFFER_SIZE=0, the user's setting wins): halves issues twice the collectives, each recorded on the host
-  local S="--steps 6 --warmup-steps 2" tag=${RUN_TAG:-s19} mode flag
+  local S="--steps 6 --warmup-steps 2" tag=${RUN_TAG:-s19} mode
   ds_patches
   for mode in default halves; do
-    flag=""
-    [ "$mode" = default ] || flag="--tp-comm-overlap $mode"
-    t 200 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_${mode}_fr_$tag" -- $GPT27_TP2SP --micro-batch-size 8 $flag
+    t 200 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_${mode}_fr_$tag" -- $GPT27_TP2SP --micro-batch-size 8 \
+      $(overlap_flag $mode)
     TORCH_FR_BUFFER_SIZE=0 t 160 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_${mode}_nofr_$tag" -- $GPT27_TP2SP \
-      --micro-batch-size 8 $flag
+      --micro-batch-size 8 $(overlap_flag $mode)
   done
 }
 stage_halvestests() {  # issue 15 on 2 GPUs: halves' GPU tests alone (compiled TP=2+SP against its eager twin, dropout
@@ -926,8 +923,8 @@ stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder ag
   overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
 }
 stage_memory18() {  # one GPU, one call: session 18's memory changes on GPUs. The out-of-memory paragraph end to end
-  # (a small model at micro batch 512 through entrypoint train); GPT-1.3B at micro batch 24 with the default flags, which the
-  # logits' gradient written over the logits (72.0 GiB at 16 on an H100) may let fit on an H200
+  # (a small model at micro batch 512 through entrypoint train); GPT-1.3B at micro batch 24 with the default flags,
+  # which the logits' gradient written over the logits (72.0 GiB at 16 on an H100) may let fit on an H200
   local tag=${RUN_TAG:-s19}
   ds_patches
   MDS_GPU_REPORT="$LOGS/gpu_tests_oom.json" t 200 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \

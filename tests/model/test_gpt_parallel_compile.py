@@ -36,22 +36,25 @@ pytestmark = pytest.mark.slow
 CASE_NAMES = ["gpt2", "gpt2_sp", "llama_sp"]
 
 
-def compiled_worker(cases: list[str]) -> dict:
+def eager_and_compiled(config: dict, tp_group) -> dict:
+    """One forward/backward of ``config`` eager and with compiled layers, the graphs dynamo made and any compile
+    failure."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from megatron_ds.model.compiled import compile_failure
 
+    torch._dynamo.reset()
+    counters.clear()
+    return {"eager": run_case(GPTConfig(**config), tp_group),
+            "compiled": run_case(GPTConfig(**dict(config, torch_compile=True)), tp_group),
+            "graphs": counters["stats"]["unique_graphs"], "failure": compile_failure()}
+
+
+def compiled_worker(cases: list[str]) -> dict:
     st = state.get_state()
     torch.set_num_threads(1)
-    results = {}
-    for case in cases:
-        torch._dynamo.reset()
-        counters.clear()
-        results[case] = {"eager": run_case(GPTConfig(**CASES[case]), st.tp_group),
-                         "compiled": run_case(GPTConfig(**dict(CASES[case], torch_compile=True)), st.tp_group),
-                         "graphs": counters["stats"]["unique_graphs"], "failure": compile_failure()}
-    return results
+    return {case: eager_and_compiled(CASES[case], st.tp_group) for case in cases}
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -237,19 +240,11 @@ HALVES_CASES = {"gpt2_sp": CASES["gpt2_sp"], "gpt2_sp_dropout": dict(CASES["gpt2
 
 
 def halves_worker(cases: list[str]) -> dict:
-    """Per case: the plain eager layer, halves eager, and halves compiled (with its passes)."""
-    import torch._dynamo
-
+    """Per case: halves eager and compiled (with its passes), and the plain eager layer."""
     st = state.get_state()
     torch.set_num_threads(1)
-    results = {}
-    for case in cases:
-        torch._dynamo.reset()
-        results[case] = {"plain": run_case(GPTConfig(**HALVES_CASES[case]), st.tp_group),
-                         "eager": run_case(GPTConfig(**dict(HALVES_CASES[case], tp_comm_overlap="halves")), st.tp_group),
-                         "compiled": run_case(GPTConfig(**dict(HALVES_CASES[case], tp_comm_overlap="halves",
-                                                               torch_compile=True)), st.tp_group)}
-    return results
+    return {case: {**eager_and_compiled(dict(HALVES_CASES[case], tp_comm_overlap="halves"), st.tp_group),
+                   "plain": run_case(GPTConfig(**HALVES_CASES[case]), st.tp_group)} for case in cases}
 
 
 def test_halves_is_the_plain_layer_split_by_batch_and_compiles_to_its_eager_sums(monkeypatch):
@@ -265,6 +260,7 @@ def test_halves_is_the_plain_layer_split_by_batch_and_compiles_to_its_eager_sums
     for r, result in enumerate(run_on_ranks(halves_worker, 2, cases, tp=2, timeout=900)):
         for case in cases:
             got = result[case]
+            assert got["failure"] is None and got["graphs"] >= 1, f"{case} rank {r}: nothing compiled: {got}"
             pairs = [("compiled", "eager")] + ([] if "dropout" in case else [("eager", "plain")])
             for run, against in pairs:
                 close(got[run]["loss"], got[against]["loss"], f"{case} rank {r} {run} loss")

@@ -224,8 +224,9 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
 
 def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     """--tp-comm-overlap is a compiler schedule: TP > 1 and torch.compile, and pipeline also --sequence-parallel and
-    CUDA, halves a micro batch of 2 or more (and it alone runs eagerly too); each refusal names the flag. The bare flag becomes the mode that runs here. Without the flag: reorder
-    where the layers compile with TP > 1, else off; none turns it off anywhere."""
+    CUDA, halves a micro batch of 2 or more (and it alone runs eagerly too); each refusal names the flag. The bare
+    flag becomes the mode that runs here. Without the flag: reorder where the layers compile with TP > 1, else
+    off; none turns it off anywhere."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
 

@@ -180,12 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "also torch's asynchronous TP, which splits each all-gather -> GEMM and GEMM -> "
                         "reduce-scatter into chunks over symmetric memory. chunked (with --sequence-parallel): "
                         "reorder, and each sequence-parallel GEMM split by the ranks' sequence chunks so the "
-                        "forward's gathers and scatters run beside a GEMM too. halves (micro batch >= 2): reorder, and each "
-                        "layer runs the micro batch's two halves interleaved, so one half's collectives run beside "
-                        "the other's GEMMs (dropout draws each half's masks: eager runs it too, as the compiled "
-                        "run's twin). The bare flag: reorder. Default: "
-                        "reorder wherever the layers compile with TP > 1 (GPT-6.7B TP=2+SP on 2 x H100: 1.03x "
-                        "none; pipeline 0.87-0.97x; chunked 0.965x reorder), else off. none: off")
+                        "forward's gathers and scatters run beside a GEMM too. halves (micro batch >= 2): reorder, "
+                        "and each layer runs the micro batch's two halves interleaved, so one half's collectives "
+                        "run beside the other's GEMMs (dropout draws each half's masks: eager runs it too, as the "
+                        "compiled run's twin). The bare flag: reorder. Default: reorder wherever the layers "
+                        "compile with TP > 1 (GPT-6.7B TP=2+SP on 2 x H100: 1.03x none; pipeline 0.87-0.97x; "
+                        "chunked 0.965x reorder), else off. none: off")
 
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", default=None)
