@@ -918,6 +918,20 @@ stage_tpgraphs() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (micro batc
     --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_cudagraphs_$tag" -- $GPT27_TP2SP --micro-batch-size 8
   t 170 $B $S --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_default_g_$tag" -- $GPT27_TP2SP --micro-batch-size 8
 }
+stage_arbucket() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (global batch 32; micro batch 16 on a 141 GB
+  # card, else 8), the default against inductor's all-reduce bucketing (through MDS_INDUCTOR_OPTIONS), which merges a
+  # compiled layer's six small all-reduces of its norm and bias gradients into one; alternated A B A B
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s20} mbs=8 round
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] && mbs=16
+  $PYTHON -c "import torch, torch._inductor.config as c; print('torch', torch.__version__, 'bucket_all_reduces_fx', getattr(c, 'bucket_all_reduces_fx', 'MISSING'))"
+  ds_patches
+  for round in 1 2; do
+    t 220 $B $S --name "gpt2_7b_s2048_mbs${mbs}_gbs32_z1_tp2_sp_default_ar${round}_$tag" -- $GPT27_TP2SP \
+      --micro-batch-size $mbs
+    MDS_INDUCTOR_OPTIONS='{"bucket_all_reduces_fx": "all"}' t 200 $B $S \
+      --name "gpt2_7b_s2048_mbs${mbs}_gbs32_z1_tp2_sp_arbucket${round}_$tag" -- $GPT27_TP2SP --micro-batch-size $mbs
+  done
+}
 stage_halves67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP, reorder against halves (global batch 16), then
   # halves' GPU tests (compiled against its eager twin, dropout on and off)
   overlap_vs_reorder halves "${HALVES_LIMIT:-200}"
