@@ -678,6 +678,17 @@ stage_dppp() {  # issue 15 on 2 GPUs, one call: DP and PP against one GPU with t
     --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
 }
 
+stage_pp16() {  # issue 15 on 2 x H200, one call: PP=2 at one GPU's micro batch (16) against one GPU, eight micro-batches
+  # per step as dppp's PP=2 run (global batch 128: the 1F1B bubble, (p - 1) / m = 1/8, is the same), then 16 (256)
+  local S="--steps 12 --warmup-steps 4" tag=${RUN_TAG:-s20}
+  local P="$GPT13 --micro-batch-size 16 --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2"
+  ds_patches
+  t 150 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_pp16_$tag" -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
+    --nproc-per-node 1
+  t 200 $B $S --name "gpt1_3b_s2048_mbs16_gbs128_z1_pp2_$tag" -- $P --global-batch-size 128
+  t 200 $B --steps 8 --warmup-steps 3 --name "gpt1_3b_s2048_mbs16_gbs256_z1_pp2_$tag" -- $P --global-batch-size 256
+}
+
 stage_dppp80() {  # as dppp where one 80 GB card cannot hold micro batch 16 with the default flags (H100):
   # micro batch 8 for one GPU and DP=2; then GPT-6.7B TP=2+SP without an overlap lever, given the time its cold
   # start needs
