@@ -689,6 +689,22 @@ stage_pp16() {  # issue 15 on 2 x H200, one call: PP=2 at one GPU's micro batch 
   t 200 $B --steps 8 --warmup-steps 3 --name "gpt1_3b_s2048_mbs16_gbs256_z1_pp2_$tag" -- $P --global-batch-size 256
 }
 
+stage_ppsplit() {  # issue 15 on 2 GPUs, one call: PP=2 with the default split (the last stage relieved of layers by
+  # its output head's FLOPs: GPT-1.3B 13 | 11, parallel/pipeline_split.py) against the even split (12 | 12, what
+  # ran before) and one GPU, eight micro-batches per step; micro batch 16 on a 141 GB card, else 8
+  local S="--steps 12 --warmup-steps 4" tag=${RUN_TAG:-s20} mbs=8
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] && mbs=16
+  local P="$GPT13 --micro-batch-size $mbs --global-batch-size $((mbs * 8)) --zero-stage 1 --nproc-per-node 2"
+  P="$P --pipeline-model-parallel-size 2"
+  ds_patches
+  t 150 $B $S --name "gpt1_3b_s2048_mbs${mbs}_z1_dp1_ppsplit_$tag" -- $GPT13 --micro-batch-size $mbs --zero-stage 1 \
+    --nproc-per-node 1
+  t 200 $B $S --name "gpt1_3b_s2048_mbs${mbs}_gbs$((mbs * 8))_z1_pp2_split13_11_$tag" -- $P
+  t 200 $B $S --name "gpt1_3b_s2048_mbs${mbs}_gbs$((mbs * 8))_z1_pp2_even_$tag" -- $P --decoder-last-pipeline-num-layers 12
+  [ $mbs = 16 ] && t 200 $B $S --name "gpt1_3b_s2048_mbs8_gbs64_z1_pp2_split13_11_$tag" -- $GPT13 --micro-batch-size 8 \
+    --global-batch-size 64 --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
+}
+
 stage_dppp80() {  # as dppp where one 80 GB card cannot hold micro batch 16 with the default flags (H100):
   # micro batch 8 for one GPU and DP=2; then GPT-6.7B TP=2+SP without an overlap lever, given the time its cold
   # start needs

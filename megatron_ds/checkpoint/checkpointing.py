@@ -45,7 +45,8 @@ def _barrier() -> None:
 
 
 def current_layout(engine) -> Layout:
-    """This job's world, TP/PP/DP/SP sizes (from megatron_ds.parallel) and ZeRO stage (from the engine)."""
+    """This job's world, TP/PP/DP/SP sizes (from megatron_ds.parallel), ZeRO stage and pipeline split (from the
+    engine)."""
     from megatron_ds.parallel import state as parallel
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -54,7 +55,9 @@ def current_layout(engine) -> Layout:
         tp, pp, dp, sp = s.tp_size, s.pp_size, s.dp_size, s.sp_size
     else:
         tp, pp, dp, sp = 1, 1, world, 1
-    return Layout(world_size=world, tp=tp, pp=pp, dp=dp, zero_stage=int(engine.zero_optimization_stage()), sp=sp)
+    split = getattr(engine.module, "stage_layers", None) if pp > 1 else None  # training/engine.pipeline_module
+    return Layout(world_size=world, tp=tp, pp=pp, dp=dp, zero_stage=int(engine.zero_optimization_stage()), sp=sp,
+                  stage_layers=tuple(split) if split else None)
 
 
 @contextlib.contextmanager

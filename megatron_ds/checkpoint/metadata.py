@@ -41,6 +41,7 @@ class Layout:
     dp: int
     zero_stage: int
     sp: int = 1  # DeepSpeed-Ulysses: ZeRO partitions its optimizer state over dp x sp ranks
+    stage_layers: tuple[int, ...] | None = None  # PP > 1: transformer layers per stage (parallel/pipeline_split.py)
 
 
 def jsonable(value):
@@ -135,6 +136,18 @@ def check_complete(directory: str, metadata: dict) -> None:
         raise CheckpointError(f"checkpoint {directory} is partial: {shown}")
 
 
+def saved_stage_layers(metadata: dict) -> list[int] | None:
+    """The checkpoint's layers per pipeline stage (None at PP = 1). Checkpoints written before the split was
+    recorded held equal counts: older versions accepted no other."""
+    from megatron_ds.parallel.pipeline_split import even_split
+
+    saved_layout = metadata["layout"]
+    if saved_layout["pp"] == 1:
+        return None
+    recorded = saved_layout.get("stage_layers")
+    return list(recorded) if recorded else even_split(int(metadata["args"]["num_layers"]), saved_layout["pp"])
+
+
 def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_optim: bool,
                      load_rng: bool, directory: str, saved_model: dict | None = None,
                      model: dict | None = None) -> None:
@@ -168,6 +181,11 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
         if saved_layout[key] != getattr(layout, key):
             problems.append(f"--{name.replace('_', '-')}: checkpoint {saved_layout[key]}, this run "
                             f"{getattr(layout, key)} (resharding is not supported; use the same layout)")
+    saved_split, split = saved_stage_layers(metadata), list(layout.stage_layers or ())
+    if load_optim and saved_layout["pp"] == layout.pp > 1 and split and saved_split != split:
+        problems.append(f"pipeline stages: the checkpoint's hold {saved_split} layers, this run's {split}; the "
+                        f"optimizer state is laid out per stage: pass --decoder-last-pipeline-num-layers "
+                        f"{saved_split[-1]} to train on with the checkpoint's split (or --no-load-optim)")
     saved_sp = saved_layout.get("sp", 1)  # checkpoints written before the field: no Ulysses
     if load_optim and saved_layout["zero_stage"] > 0 and saved_sp != layout.sp:
         problems.append(f"--ds-sequence-parallel-size: checkpoint {saved_sp}, this run {layout.sp}; ZeRO stage "

@@ -50,12 +50,15 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
                 make_vocab_size_divisible_by: int | None, save: str, sp: int = 1) -> Namespace:
     """The source run's flags at the target layout; CheckpointError naming the flag a layout breaks."""
     from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
+    from megatron_ds.parallel.pipeline_split import stage_layers
     from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
     from megatron_ds.training.arguments import ConfigError
     from megatron_ds.training.arguments.rules import accumulation_steps, check_ulysses
 
     args = Namespace(**source_args)
     world = tp * pp * dp * sp
+    if pp != args.pipeline_model_parallel_size or not hasattr(args, "decoder_last_pipeline_num_layers"):
+        args.decoder_last_pipeline_num_layers = None  # the source's split means nothing at another PP: the default
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--data-parallel-size", dp), ("--ds-sequence-parallel-size", sp)):
         if value < 1:
@@ -70,7 +73,7 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
     try:
         dims = ParallelDims(world, tp, pp, sp)
         check_shape(**shape_of(args), tp=tp)
-        dims.layers_per_stage(args.num_layers)
+        stage_layers(args.num_layers, pp, last=args.decoder_last_pipeline_num_layers)
         check_ulysses(args, dims)  # whole heads and equal sequence slices per SP rank, as training validates
         accumulation = accumulation_steps(args.global_batch_size, args.micro_batch_size, dp)
     except (ModelConfigError, ParallelConfigError, ConfigError) as err:
@@ -240,7 +243,10 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
     staging = tempfile.mkdtemp(prefix=".reshard-", dir=parent)
     started = time.time()
     try:
-        source_args = dict(metadata["args"], load=None, save=None)
+        # the source engine as it was saved: its stages hold the checkpoint's layer counts
+        source_split = meta.saved_stage_layers(metadata)
+        source_args = dict(metadata["args"], load=None, save=None,
+                           decoder_last_pipeline_num_layers=source_split[-1] if source_split else None)
         run_ranks("gather", {"args": source_args, "padded_vocab": source_padded, "load_dir": os.path.dirname(directory),
                              "tag": os.path.basename(directory), "staging": staging},
                   src_layout["world_size"], staging, timeout)

@@ -178,8 +178,8 @@ class GPTConfig:
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 
-    def flops_per_token(self) -> float:
-        """Megatron model FLOPs per trained token: forward + backward (= 3x forward), no recompute.
+    def forward_flops_per_token(self) -> tuple[float, float]:
+        """Forward FLOPs per token of one transformer layer and of the output head (the vocabulary GEMM).
 
         A matmul of [m, k] x [k, n] is 2mkn FLOPs. Attention scores and values are counted over the
         full sequence (Megatron's convention, causal masking not discounted).
@@ -189,9 +189,18 @@ class GPTConfig:
         scores_and_values = 2 * 2 * s * self.num_attention_heads * d
         projection = 2 * h * h
         mlp = 2 * h * self.ffn_hidden_size * (3 if self.swiglu else 2)
-        logits = 2 * h * self.vocab_size
-        forward = self.num_layers * (qkv + scores_and_values + projection + mlp) + logits
-        return 3.0 * forward
+        return qkv + scores_and_values + projection + mlp, 2 * h * self.vocab_size
+
+    def flops_per_token(self) -> float:
+        """Megatron model FLOPs per trained token: forward + backward (= 3x forward), no recompute."""
+        layer, head = self.forward_flops_per_token()
+        return 3.0 * (self.num_layers * layer + head)
+
+    def head_cost_in_layers(self) -> float:
+        """The output head's FLOPs in transformer layers: what the last pipeline stage runs on top of its
+        layers (parallel/pipeline_split.py)."""
+        layer, head = self.forward_flops_per_token()
+        return head / layer
 
     def num_parameters(self, *, include_embeddings: bool = True) -> int:
         """Parameters of the whole (unsharded) model; a tied output head is counted once."""

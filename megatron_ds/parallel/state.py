@@ -70,14 +70,6 @@ class ParallelDims:
                 f"--pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}; "
                 f"data-parallel size would be {self.world / (self.tp * self.pp):g}", "--tensor-model-parallel-size")
 
-    def layers_per_stage(self, num_layers: int) -> int:
-        """Transformer layers on each pipeline stage: every stage holds the same number."""
-        if num_layers % self.pp:
-            raise ParallelConfigError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp} "
-                "(every pipeline stage holds the same number of transformer layers)", "--num-layers")
-        return num_layers // self.pp
-
     @property
     def dp(self) -> int:
         """Pure data parallelism: replicas that see different samples (SP ranks share theirs)."""

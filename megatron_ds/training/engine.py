@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.gpt import GPTModel, TransformerLayer, assign_recompute, gpt_stage_specs, lm_loss
 from megatron_ds.parallel.layers import weights_drawn_on
+from megatron_ds.parallel.pipeline_split import stage_layers
 from megatron_ds.parallel.state import ParallelState, local_device_index
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
@@ -50,11 +51,12 @@ def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfi
     )
 
 
-def pipeline_module(config: GPTConfig, state: ParallelState):
+def pipeline_module(config: GPTConfig, state: ParallelState, last_stage_layers: int | None = None):
     """DeepSpeed PipelineModule: one LayerSpec per stage spec; the tied embedding/head as TiedLayerSpec.
 
     The specs carry ``state.tp_group`` in their keyword arguments; DeepSpeed passes them unchanged
-    to the constructors when it builds this rank's stage."""
+    to the constructors when it builds this rank's stage. The stages hold the layer counts of
+    parallel/pipeline_split.py (``last_stage_layers``: the flag's value), kept as ``module.stage_layers``."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -73,8 +75,21 @@ def pipeline_module(config: GPTConfig, state: ParallelState):
         # mean per-token loss of this micro-batch; the last stage's logits serve nothing after it
         return lm_loss(logits, labels, tp_group, overwrite_logits=True).mean()
 
-    module = PipelineModule(layers=layers, loss_fn=loss_fn, topology=topology,
-                            partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+    split = stage_layers(config.num_layers, state.pp_size, last=last_stage_layers,
+                         head_layers=config.head_cost_in_layers())
+    # spec indices where each stage starts: the embedding and stage 0's layers, ..., the last layers and the head
+    bounds = [0, *(1 + sum(split[:s]) for s in range(1, len(split))), len(layers)]
+
+    class SplitPipelineModule(PipelineModule):
+        """DeepSpeed's PipelineModule with our stage boundaries in place of its partition methods."""
+
+        def _partition_layers(self, method="uniform"):
+            self.parts = bounds
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=bounds[stage], stop=bounds[stage + 1])
+
+    module = SplitPipelineModule(layers=layers, loss_fn=loss_fn, topology=topology, activation_checkpoint_interval=0)
+    module.stage_layers = split
     # Recompute counts layers within a stage (Megatron's block method), known once DeepSpeed has partitioned.
     assign_recompute([m for m in module.modules() if isinstance(m, TransformerLayer)], config)
     return module
@@ -145,7 +160,7 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     # 1. the model (TP-sliced layers for this rank's TP group; initial weights drawn on this rank's GPU, if any)
     on_gpu = torch.cuda.is_available() and not args.use_cpu_initialization
     with weights_drawn_on(torch.device("cuda", local_device_index()) if on_gpu else None):
-        module = (pipeline_module(config, state) if pipelined else
+        module = (pipeline_module(config, state, getattr(args, "decoder_last_pipeline_num_layers", None)) if pipelined else
                   GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
     if on_gpu:
         torch.cuda.empty_cache()  # the drawn matrices' blocks: not kept to fragment a tight run's memory

@@ -227,7 +227,7 @@ class Trainer:
         overlap = f" (TP comm overlap: {args.tp_comm_overlap})" if args.tp_comm_overlap else ""
         _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
              f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
-             f"{'pipeline engine' if self.pipelined else 'DeepSpeed engine'}, attention {built.attention_backend}, "
+             f"{self._engine_kind()}, attention {built.attention_backend}, "
              f"torch.compile {'on' if args.torch_compile else 'off'}{overlap}, device {self.device.type}; "
              f"model and engine built in {build_seconds:.1f} s (weights drawn on {built.weights_drawn_on})")
         _log(f"mds train: {self.config.num_layers} layers, hidden {self.config.hidden_size}, "
@@ -258,6 +258,13 @@ class Trainer:
         self.checkpointer = Checkpointer(self.engine, args)
 
     # -- data ---------------------------------------------------------------------------------------------
+
+    def _engine_kind(self) -> str:
+        """'pipeline engine (stages of 13 | 11 layers)' or 'DeepSpeed engine', for the start-up line."""
+        if not self.pipelined:
+            return "DeepSpeed engine"
+        split = getattr(self.engine.module, "stage_layers", None)
+        return "pipeline engine" + (f" (stages of {' | '.join(map(str, split))} layers)" if split else "")
 
     def _needs_data(self) -> bool:
         return not self.pipelined or self.engine.is_first_stage() or self.engine.is_last_stage()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import ENTRYPOINT, Ranks, env, metrics, run, train_argv, wait_for
+from ckpt_helpers import ENTRYPOINT, GPT, Ranks, env, metrics, run, train_argv, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +159,41 @@ def test_mismatched_layout_is_named(reference, demo_corpus, tmp_path):
     assert "--tensor-model-parallel-size: checkpoint 2, this run 1" in result.stderr
     assert "--make-vocab-size-divisible-by: checkpoint 100, this run 128" in result.stderr
     assert result.returncode == 2 and "Traceback" not in result.stderr  # a config error, not a crash
+
+
+def test_pipeline_split_is_recorded_and_another_split_is_named_on_resume(demo_corpus, tmp_path):
+    """PP=2 with 4 layers: the head (vocabulary 4096 at hidden 64, ~5 layers of FLOPs) puts 3 | 1 layers on the
+    stages by default; the split is in the checkpoint, and a resume at another split (its optimizer state is laid
+    out per stage) is refused naming the flag that keeps the checkpoint's. A checkpoint from before the split was
+    recorded reads as the even split those versions ran."""
+    model = ["--num-layers", "4", *GPT[2:], "--lr-decay-iters", "10"]  # one LR schedule for 2 and 3 iterations
+    pp2 = ["--pipeline-model-parallel-size", "2", "--save", "ckpt", "--save-interval", "2"]
+    first = run(train_argv(demo_corpus, 2, pp2, iters=2, model=model), tmp_path / "default")
+    assert "pipeline engine (stages of 3 | 1 layers)" in first.stdout + first.stderr
+    saved = json.loads((tmp_path / "default" / "ckpt" / "iter_0000002" / "mds_checkpoint.json").read_text())
+    assert saved["layout"]["stage_layers"] == [3, 1]
+
+    again = ["--pipeline-model-parallel-size", "2", "--load", "../default/ckpt"]
+    other = run(train_argv(demo_corpus, 2, [*again, "--decoder-last-pipeline-num-layers", "2"], iters=3, model=model),
+                tmp_path / "other", code=2)
+    assert "the checkpoint's hold [3, 1] layers, this run's [2, 2]" in other.stderr
+    assert "pass --decoder-last-pipeline-num-layers 1" in other.stderr and "Traceback" not in other.stderr
+    resumed = run(train_argv(demo_corpus, 2, again, iters=3, model=model), tmp_path / "same")
+    assert "resuming from iteration 2" in resumed.stdout + resumed.stderr and sorted(metrics(tmp_path / "same")[0]) == [3]
+
+    # an older checkpoint (no split recorded) ran 2 | 2: the default's 3 | 1 is refused, the flag's 2 resumes
+    even = ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2"]
+    run(train_argv(demo_corpus, 2, [*even, "--save", "ckpt", "--save-interval", "2"], iters=2, model=model),
+        tmp_path / "even")
+    record = tmp_path / "even" / "ckpt" / "iter_0000002" / "mds_checkpoint.json"
+    old = json.loads(record.read_text())
+    assert old["layout"].pop("stage_layers") == [2, 2]
+    record.write_text(json.dumps(old))
+    refused = run(train_argv(demo_corpus, 2, [*again[:2], "--load", "../even/ckpt"], iters=3, model=model),
+                  tmp_path / "old-default", code=2)
+    assert "the checkpoint's hold [2, 2] layers, this run's [3, 1]" in refused.stderr
+    run(train_argv(demo_corpus, 2, [*even, "--load", "../even/ckpt"], iters=3, model=model), tmp_path / "old-even")
+    assert sorted(metrics(tmp_path / "old-even")[0]) == [3]
 
 
 def test_weights_only_load_into_another_data_parallel_size(reference, demo_corpus, tmp_path):

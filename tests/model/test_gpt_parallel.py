@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_ds.model.config import GPTConfig, ModelConfigError
-from megatron_ds.model.gpt import GPTModel, gpt_stage_specs
+from megatron_ds.model.gpt import GPTModel, TransformerLayer, gpt_stage_specs
 from megatron_ds.parallel import state
 from megatron_ds.parallel.layers import slice_chunks
 from megatron_ds.parallel.testing import run_on_ranks
@@ -179,8 +179,14 @@ def pipeline_worker() -> dict:
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
     module = pipeline_module(GPTConfig(**GPT2), st)
     pieces = [m for m in module.modules() if hasattr(m, "group") and m is not module]
+
+    def layers_here(last: int | None) -> list[list[int]]:  # the split, and this stage's layer numbers
+        five = pipeline_module(GPTConfig(**dict(GPT2, num_layers=5)), st, last)
+        return [five.stage_layers, [m.layer_number for m in five.modules() if isinstance(m, TransformerLayer)]]
+
     return {"pp_rank": st.pp_rank, "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()},
-            "all_pieces_on_tp_group": bool(pieces) and all(m.group is st.tp_group for m in pieces)}
+            "all_pieces_on_tp_group": bool(pieces) and all(m.group is st.tp_group for m in pieces),
+            "five_layers": layers_here(None), "five_layers_last_1": layers_here(1)}
 
 
 def test_deepspeed_pipeline_builds_pieces_with_the_tp_group():
@@ -196,3 +202,7 @@ def test_deepspeed_pipeline_builds_pieces_with_the_tp_group():
         qkv = [shape for name, shape in shapes.items() if name.endswith("attention.qkv.local.weight")]
         assert qkv == [(3 * h // TP, h)], f"rank {r}: one layer per stage, heads split: {qkv}"
         assert ("tied_modules.embed.position_embeddings" in shapes) == (result["pp_rank"] == 0)
+        # our stage boundaries, not DeepSpeed's: 5 layers run 3 | 2 (the head ~0.16 layers), 4 | 1 with the flag
+        first = result["pp_rank"] == 0
+        assert result["five_layers"] == [[3, 2], [1, 2, 3] if first else [4, 5]], f"rank {r}"
+        assert result["five_layers_last_1"] == [[4, 1], [1, 2, 3, 4] if first else [5]], f"rank {r}"

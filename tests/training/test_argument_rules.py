@@ -33,12 +33,7 @@ def check(files, extra, world, flag, text):
     assert text in str(err.value)
 
 
-def test_layers_per_stage_is_parallel_dims_arithmetic():
-    assert ParallelDims(world=4, tp=1, pp=2).layers_per_stage(6) == 3
-    with pytest.raises(ParallelConfigError) as err:
-        ParallelDims(world=4, tp=1, pp=4).layers_per_stage(6)
-    assert err.value.flag == "--num-layers" and "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4" \
-        in str(err.value)
+def test_parallel_dims_arithmetic():
     with pytest.raises(ParallelConfigError) as err:
         ParallelDims(world=6, tp=4, pp=1)
     assert err.value.flag == "--tensor-model-parallel-size" and "data-parallel size would be 1.5" in str(err.value)

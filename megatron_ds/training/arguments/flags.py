@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism and DeepSpeed")
     g.add_argument("--tensor-model-parallel-size", type=int)
     g.add_argument("--pipeline-model-parallel-size", type=int)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                   help="transformer layers on the last pipeline stage; the others share the rest (default: fewer "
+                        "on the last stage, by the output head's FLOPs: GPT-1.3B at PP=2 runs 13 | 11)")
     g.add_argument("--sequence-parallel", action="store_true", default=None)
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="plain DeepSpeed engine, no pipeline engine (needs PP=1; allows ZeRO-2/3)")

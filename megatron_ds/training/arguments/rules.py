@@ -190,13 +190,14 @@ def distributed_attention_unfit(forward_parameters, deepspeed_version: str) -> s
 
 def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
     """The model config's shape rules at this TP size (the vocabulary is checked once the tokenizer exists),
-    and whole layers on every pipeline stage."""
+    and at least one layer on every pipeline stage (parallel/pipeline_split.py)."""
     from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
+    from megatron_ds.parallel.pipeline_split import stage_layers
     from megatron_ds.parallel.state import ParallelConfigError
 
     try:
         check_shape(**shape_of(args), tp=dims.tp)
-        dims.layers_per_stage(args.num_layers)
+        stage_layers(args.num_layers, dims.pp, last=args.decoder_last_pipeline_num_layers)
     except (ModelConfigError, ParallelConfigError) as err:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
 
