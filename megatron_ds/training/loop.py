@@ -221,6 +221,7 @@ class Trainer:
         built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
         build_seconds = time.perf_counter() - start
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
+        args.pipeline_stage_layers = getattr(self.engine.module, "stage_layers", None)  # for the out-of-memory levers
         self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""

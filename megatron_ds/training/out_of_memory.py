@@ -27,6 +27,11 @@ def levers(args) -> list[str]:
                    f"{args.global_batch_size} stays, through more accumulation steps)")
     if args.recompute_granularity != "full":
         out.append("--checkpoint-activations (each layer recomputed in backward)")
+    split = getattr(args, "pipeline_stage_layers", None)  # set by the trainer once the pipeline is built
+    if split and len(set(split)) > 1 and args.decoder_last_pipeline_num_layers is None \
+            and args.num_layers % len(split) == 0:
+        out.append(f"--decoder-last-pipeline-num-layers {args.num_layers // len(split)} (equal layers per stage: the "
+                   f"default {' | '.join(map(str, split))} gives the stages before the output head's more)")
     if args.data_parallel_size > 1 and args.zero_stage < 3:
         out.append(f"--zero-stage {max(2, args.zero_stage + 1)} (shards more of the training state over the "
                    f"{args.data_parallel_size} data-parallel ranks)")
