@@ -160,7 +160,8 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     # 1. the model (TP-sliced layers for this rank's TP group; initial weights drawn on this rank's GPU, if any)
     on_gpu = torch.cuda.is_available() and not args.use_cpu_initialization
     with weights_drawn_on(torch.device("cuda", local_device_index()) if on_gpu else None):
-        module = (pipeline_module(config, state, getattr(args, "decoder_last_pipeline_num_layers", None)) if pipelined else
+        last_stage_layers = getattr(args, "decoder_last_pipeline_num_layers", None)  # None in older checkpoints' args
+        module = (pipeline_module(config, state, last_stage_layers) if pipelined else
                   GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
     if on_gpu:
         torch.cuda.empty_cache()  # the drawn matrices' blocks: not kept to fragment a tight run's memory

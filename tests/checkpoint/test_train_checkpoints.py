@@ -179,7 +179,8 @@ def test_pipeline_split_is_recorded_and_another_split_is_named_on_resume(demo_co
     assert "the checkpoint's hold [3, 1] layers, this run's [2, 2]" in other.stderr
     assert "pass --decoder-last-pipeline-num-layers 1" in other.stderr and "Traceback" not in other.stderr
     resumed = run(train_argv(demo_corpus, 2, again, iters=3, model=model), tmp_path / "same")
-    assert "resuming from iteration 2" in resumed.stdout + resumed.stderr and sorted(metrics(tmp_path / "same")[0]) == [3]
+    assert "resuming from iteration 2" in resumed.stdout + resumed.stderr
+    assert sorted(metrics(tmp_path / "same")[0]) == [3]
 
     # an older checkpoint (no split recorded) ran 2 | 2: the default's 3 | 1 is refused, the flag's 2 resumes
     even = ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2"]
