@@ -705,6 +705,18 @@ stage_ppsplit() {  # issue 15 on 2 GPUs, one call: PP=2 with the default split (
     --global-batch-size 64 --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
 }
 
+stage_ppsplit16() {  # issue 15 on 2 x H200, one short call (the budget's last minutes): one GPU at micro batch 16,
+  # then PP=2 with the default split (13 | 11) at micro batch 16, global batch 128; each record copied out at once
+  local S="--steps 8 --warmup-steps 3" tag=${RUN_TAG:-s20}
+  ds_patches
+  t 110 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_ppsplit16_$tag" -- $GPT13 --micro-batch-size 16 --zero-stage 1 \
+    --nproc-per-node 1
+  cp bench/results/gpt1_3b_s2048_mbs16_z1_dp1_ppsplit16_$tag.json "$OUT"/ 2>/dev/null
+  t 120 $B $S --name "gpt1_3b_s2048_mbs16_gbs128_z1_pp2_split13_11_$tag" -- $GPT13 --micro-batch-size 16 \
+    --global-batch-size 128 --zero-stage 1 --nproc-per-node 2 --pipeline-model-parallel-size 2
+  cp bench/results/gpt1_3b_s2048_mbs16_gbs128_z1_pp2_split13_11_$tag.json "$OUT"/ 2>/dev/null
+}
+
 stage_dppp80() {  # as dppp where one 80 GB card cannot hold micro batch 16 with the default flags (H100):
   # micro batch 8 for one GPU and DP=2; then GPT-6.7B TP=2+SP without an overlap lever, given the time its cold
   # start needs
