@@ -250,4 +250,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_ds.training.cli import leave_rank
+
+    leave_rank(main())  # as `entrypoint train` ends a rank: gloo's threads can abort the interpreter's teardown

@@ -162,6 +162,8 @@ args, built = build(["--preset", "TINY", "--micro-batch-size", "2", *sys.argv[2:
 params = sum(p.numel() for p in built.engine.module.parameters())
 print("BUILT " + json.dumps({"rank": int(os.environ["RANK"]), "params": params, "tp": args.tensor_model_parallel_size,
                              "world": args.world_size, "profile": os.environ.get("MDS_PROFILE")}), flush=True)
+from megatron_ds.training.cli import leave_rank
+leave_rank(0)  # as `entrypoint train` ends a rank: gloo's threads can abort the interpreter's teardown (cli.py)
 """
 
 
