@@ -221,7 +221,8 @@ class Trainer:
         built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
         build_seconds = time.perf_counter() - start
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
-        args.pipeline_stage_layers = getattr(self.engine.module, "stage_layers", None)  # for the out-of-memory levers
+        # the built split (None without PP): for the start-up line and the out-of-memory levers
+        args.pipeline_stage_layers = getattr(self.engine.module, "stage_layers", None)
         self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
@@ -264,7 +265,7 @@ class Trainer:
         """'pipeline engine (stages of 13 | 11 layers)' or 'DeepSpeed engine', for the start-up line."""
         if not self.pipelined:
             return "DeepSpeed engine"
-        split = getattr(self.engine.module, "stage_layers", None)
+        split = self.args.pipeline_stage_layers
         return "pipeline engine" + (f" (stages of {' | '.join(map(str, split))} layers)" if split else "")
 
     def _needs_data(self) -> bool:

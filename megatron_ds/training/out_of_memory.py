@@ -6,6 +6,8 @@ run of a new size. The message ends the rank's output (after the traceback), so 
 
 from __future__ import annotations
 
+from megatron_ds.parallel.pipeline_split import even_split
+
 GIB = 1 << 30
 
 
@@ -28,9 +30,9 @@ def levers(args) -> list[str]:
     if args.recompute_granularity != "full":
         out.append("--checkpoint-activations (each layer recomputed in backward)")
     split = getattr(args, "pipeline_stage_layers", None)  # set by the trainer once the pipeline is built
-    if split and len(set(split)) > 1 and args.decoder_last_pipeline_num_layers is None \
-            and args.num_layers % len(split) == 0:
-        out.append(f"--decoder-last-pipeline-num-layers {args.num_layers // len(split)} (equal layers per stage: the "
+    even = even_split(args.num_layers, len(split)) if split else None
+    if even and split != even and args.decoder_last_pipeline_num_layers is None:
+        out.append(f"--decoder-last-pipeline-num-layers {even[-1]} (equal layers per stage: the "
                    f"default {' | '.join(map(str, split))} gives the stages before the output head's more)")
     if args.data_parallel_size > 1 and args.zero_stage < 3:
         out.append(f"--zero-stage {max(2, args.zero_stage + 1)} (shards more of the training state over the "
