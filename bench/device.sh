@@ -997,26 +997,6 @@ stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-000
   cp "$LOGS"/zero1once_*.json "$OUT"/ 2>/dev/null
 }
 
-stage_hashdrop() {  # issue 15, one GPU, one call: hashed dropout masks (megatron_ds/parallel/dropout.py) against
-  # torch's (MDS_HASH_DROPOUT=0): the element-wise probe, then the default-flags GPT-1.3B step alternated A B A B
-  # beside the compiled reference; records copied out as they finish
-  local tag=${RUN_TAG:-s21}
-  ds_patches
-  t 150 $PYTHON bench/probe_elementwise.py --out "$OUT/probe_hash_dropout_$tag.json"
-  if [ -f .whl/reference_gpt.py ]; then
-    OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
-    cp "$LOGS/anchor.json" "$OUT/reference_gpt_hashdrop_$tag.json" 2>/dev/null
-  fi
-  for round in 1 2; do
-    for hash in 1 0; do
-      local name="gpt1_3b_s2048_mbs16_z1_default_flags_hash${hash}_${round}_$tag"
-      MDS_HASH_DROPOUT=$hash t 150 $B --steps 16 --warmup-steps 5 --name "$name" -- $GPT13 --micro-batch-size 16 \
-        --zero-stage 1
-      cp "bench/results/$name.json" "$OUT"/ 2>/dev/null
-    done
-  done
-}
-
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null

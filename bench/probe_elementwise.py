@@ -1,12 +1,10 @@
-"""The compiled layer's element-wise pieces alone, at the model's shape, under each way of drawing dropout masks.
+"""The compiled layer's element-wise pieces alone, at the model's shape, under inductor's random-number choices.
 
 Why: the default-flags profile (session 8) puts ~19 ms of a 556 ms GPT-1.3B step in the two residual + dropout
 (+ LayerNorm) kernels, where their bytes need ~6 ms: inductor draws one Philox number per element in them.
 This times forward + backward of `r = x + dropout(y); layer_norm(r)` and of the GeLUs, compiled under each
 inductor random mode (its own Triton Philox; `fallback_random`: ATen's dropout kernel; `align_random_eager`
-where this torch has it) and with our hashed masks (megatron_ds/parallel/dropout.py), next to a plain copy as
-the bandwidth yardstick; then a TP=2 sequence shard's dropout (torch's: the full sequence drawn; hashed: the
-shard's rows only) and both dropouts run eagerly. Prints rows; --out writes JSON.
+where this torch has it), next to a plain copy as the bandwidth yardstick. Prints rows; --out writes JSON.
 """
 
 from __future__ import annotations
@@ -32,33 +30,13 @@ def random_modes() -> dict[str, dict]:
     return modes
 
 
-def residual_dropout_norm(p: float, drop=None):
+def residual_dropout_norm(p: float):
     import torch.nn.functional as F
 
-    drop = drop or (lambda y: F.dropout(y, p, training=True))
-
     def fn(x, y, w, b):
-        r = x + drop(y)
+        r = x + F.dropout(y, p, training=True)
         return r, F.layer_norm(r, (r.size(-1),), w, b)
     return fn
-
-
-def shard_drops(p: float, tp: int) -> dict:
-    """Rank 0's dropout of its sequence shard [t/tp, h] under TP=tp sequence parallelism, both ways."""
-    from megatron_ds.parallel import dropout
-
-    return {"stream (full sequence drawn)": lambda y: dropout._stream_dropout(y, p, tp, 0),
-            "hash (shard only)": lambda y: dropout.hash_dropout(y, p, full_shape=(y.size(0) * tp, y.size(1)),
-                                                                start=(0, 0))}
-
-
-def time_eager_fwd_bwd(fn, inputs) -> dict:
-    import torch
-
-    def fwd_bwd():
-        out = fn(*inputs)
-        out.backward(torch.ones_like(out))
-    return {"fwd_bwd_ms": bench_ms(fwd_bwd)}
 
 
 def gelu(approximate: str):
@@ -85,9 +63,6 @@ def time_fwd_bwd(fn, inputs, options: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-    import torch.nn.functional as F
-
-    from megatron_ds.model.compiled import LAYER_OPTIONS
 
     p = argparse.ArgumentParser(prog="probe_elementwise", description=__doc__)
     p.add_argument("--hidden-size", type=int, default=2048)
@@ -95,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32768, help="micro batch x sequence")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--layers", type=int, default=24, help="to scale per-layer times to a step (2 dropouts/layer)")
-    p.add_argument("--tp", type=int, default=2, help="the sequence-parallel shard's TP size")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     dev, bf16 = "cuda", torch.bfloat16
@@ -113,24 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     for mode, options, p_drop in cases:
         row = {"what": "x + dropout(y), layer_norm", "random": mode, "dropout": p_drop,
                **time_fwd_bwd(residual_dropout_norm(p_drop), (x, y, w, b), options)}
-        row["step_ms"] = row["fwd_bwd_ms"] * 2 * args.layers
-        rows.append(row)
-    from megatron_ds.parallel.dropout import hash_dropout
-
-    hashed = residual_dropout_norm(args.dropout, lambda y: hash_dropout(y, args.dropout))
-    row = {"what": "x + dropout(y), layer_norm", "random": "hash", "dropout": args.dropout,
-           **time_fwd_bwd(hashed, (x, y, w, b), LAYER_OPTIONS)}
-    row["step_ms"] = row["fwd_bwd_ms"] * 2 * args.layers
-    rows.append(row)
-    shard = [t.detach()[: t.size(0) // args.tp].requires_grad_() for t in (x, y)]
-    for mode, drop in shard_drops(args.dropout, args.tp).items():
-        row = {"what": f"TP={args.tp} shard: x + dropout(y), layer_norm", "random": mode, "dropout": args.dropout,
-               **time_fwd_bwd(residual_dropout_norm(args.dropout, drop), (*shard, w, b), LAYER_OPTIONS)}
-        row["step_ms"] = row["fwd_bwd_ms"] * 2 * args.layers
-        rows.append(row)
-    eager = {"torch": lambda y: F.dropout(y, args.dropout, True), "hash": lambda y: hash_dropout(y, args.dropout)}
-    for mode, drop in eager.items():
-        row = {"what": "eager dropout(y)", "random": mode, "dropout": args.dropout, **time_eager_fwd_bwd(drop, (y,))}
         row["step_ms"] = row["fwd_bwd_ms"] * 2 * args.layers
         rows.append(row)
     for approximate in ("none", "tanh"):

@@ -113,6 +113,22 @@ def tp_replicated(weight: torch.Tensor, group, sequence_parallel: bool) -> torch
     return copy_to_tp(weight, group) if sequence_parallel else weight
 
 
+def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, group) -> torch.Tensor:
+    """Dropout on a sequence shard [s/tp, ...] that draws the FULL sequence's mask and keeps our rows.
+
+    Every TP rank shares the default RNG state (as Megatron seeds it), so plain dropout would give
+    each shard the same pattern; drawing the full mask costs tp x the random numbers but gives
+    exactly the mask of the unsharded run (SP on == SP off, with dropout) and replays under
+    activation checkpointing like any torch dropout.
+    """
+    n = tp_size(group)
+    if not training or p == 0.0 or n == 1:
+        return F.dropout(x, p, training)
+    full = torch.empty((x.size(0) * n, *x.shape[1:]), dtype=x.dtype, device=x.device).bernoulli_(1.0 - p)
+    keep = full.chunk(n, dim=0)[tp_rank(group)]
+    return x * keep / (1.0 - p)
+
+
 class LocalGEMM(nn.Linear):
     """This rank's matrix multiply y = x W^T (+ b): an ``nn.Linear`` over a given weight slice, so an
     FP8 engine that replaces ``nn.Linear`` modules can replace it (the parameter objects, with their

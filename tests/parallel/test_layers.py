@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.parallel import cross_entropy, dropout, mappings, state
+from megatron_ds.parallel import cross_entropy, mappings, state
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         seeded_normal, slice_chunks, weights_drawn_on)
-from megatron_ds.parallel.dropout import hash_dropout, sequence_parallel_dropout
+                                         seeded_normal, sequence_parallel_dropout, slice_chunks,
+                                         weights_drawn_on)
 from megatron_ds.parallel.random import tp_rank_rng
 from megatron_ds.parallel.testing import run_on_ranks
 from megatron_ds.torch_support import compile_problem
@@ -125,14 +125,10 @@ def rng_checks(group) -> dict[str, torch.Tensor]:
     torch.set_rng_state(state_before)  # what activation checkpointing does before a recompute
     with tp_rank_rng(group):
         replay = torch.rand(4)
+    torch.manual_seed(42)
     x = torch.ones(S // TP, B, H_IN)
-    torch.manual_seed(42)
-    hashed = sequence_parallel_dropout(x, 0.5, True, group)
-    dropout.HASH_MASKS = False
-    torch.manual_seed(42)
-    streamed = sequence_parallel_dropout(x, 0.5, True, group)
-    dropout.HASH_MASKS = True
-    return {"inside": inside, "after": after, "replay": replay, "sp_dropout": hashed, "sp_dropout_stream": streamed}
+    return {"inside": inside, "after": after, "replay": replay,
+            "sp_dropout": sequence_parallel_dropout(x, 0.5, True, group)}
 
 
 def mapping_checks(group, r: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -380,14 +376,10 @@ def test_tp_rank_rng_is_private_per_rank_and_replayable(tp2):
 
 
 def test_sequence_parallel_dropout_is_the_full_sequence_mask(tp2):
-    """Each rank's shard carries its rows of the unsharded run's mask: the hashed one (computed for the shard
-    only) and, with MDS_HASH_DROPOUT=0, torch's (the full sequence drawn on every rank)."""
-    torch.manual_seed(42)
-    full = hash_dropout(torch.ones(S, B, H_IN), 0.5)
-    assert torch.equal(torch.cat([res["rng"]["sp_dropout"] for res in tp2], dim=0), full)
     torch.manual_seed(42)
     full = torch.nn.functional.dropout(torch.ones(S, B, H_IN), 0.5, True)
-    assert torch.equal(torch.cat([res["rng"]["sp_dropout_stream"] for res in tp2], dim=0), full)
+    got = torch.cat([res["rng"]["sp_dropout"] for res in tp2], dim=0)
+    assert torch.equal(got, full)
 
 
 def test_fused_cross_entropy_equals_the_eager_chunks():
