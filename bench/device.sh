@@ -786,6 +786,42 @@ stage_ceprobe() {  # issue 15 on 2 GPUs, one short call: GPT-2.7B's sequence-par
   done
 }
 
+stage_ctaprobe() {  # issue 15 on 2 GPUs, one call: fewer NCCL CTAs, so that a collective beside a GEMM leaves it more
+  # SMs (on H200 NCCL beside the GEMM hid 0.03 of its 0.2 ms, session 20): GPT-2.7B's gathers and scatters (80 and
+  # 160 MiB, hidden 2560) alone and beside the MLP GEMM under NCCL_MAX_CTAS and NCCL_CTA_POLICY settings; then the
+  # GPT-2.7B TP=2+SP step (micro batch 16, global batch 32) with the setting whose pair was fastest, against the default
+  local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s21} setting
+  for setting in default NCCL_MAX_CTAS=16 NCCL_MAX_CTAS=8 NCCL_MAX_CTAS=4 NCCL_CTA_POLICY=1 NCCL_CTA_POLICY=2; do
+    if [ $setting = default ]; then
+      t 60 $P --label default --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl"
+    else
+      env "$setting" NCCL_DEBUG=WARN t 60 $P --label "$setting" --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl"
+    fi
+  done
+  local best
+  best=$($PYTHON - "$OUT/cta_probe_$tag.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+pairs = {}
+for r in rows:
+    if r["size_mib"] == 160:
+        pairs[r["label"]] = r["all_gather_with_gemm_ms"] + r["reduce_scatter_with_gemm_ms"]
+print(min(pairs, key=pairs.get))
+PY
+)
+  echo "[bench] fastest pair beside the GEMM: $best"
+  ds_patches
+  local name="gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_cta_$tag"
+  t 240 $B $S --name "$name" -- $GPT27_TP2SP --micro-batch-size 16
+  cp "bench/results/$name.json" "$OUT"/ 2>/dev/null
+  if [ "$best" != default ]; then
+    name="gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_${best,,}_$tag"
+    env "$best" t 200 $B $S --name "${name//=/}" -- $GPT27_TP2SP --micro-batch-size 16
+    cp "bench/results/${name//=/}.json" "$OUT"/ 2>/dev/null
+  fi
+}
+
 stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradient accumulation (micro batch 4,
   # global batch 16), so the optimizer step (45 ms at global batch 4) is paid once per 4 micro-batches; each lever
   local S="--steps 7 --warmup-steps 3"
