@@ -796,7 +796,7 @@ stage_ctaprobe() {  # issue 15 on 2 GPUs, one call: fewer NCCL CTAs, so that a c
     if [ $setting = default ]; then
       t 60 $P --label default --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl"
     else
-      env "$setting" NCCL_DEBUG=WARN t 60 $P --label "$setting" --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl"
+      ( export "$setting"; t 60 $P --label "$setting" --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl" )
     fi
   done
   local best
@@ -817,7 +817,7 @@ PY
   cp "bench/results/$name.json" "$OUT"/ 2>/dev/null
   if [ "$best" != default ]; then
     name="gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_${best,,}_$tag"
-    env "$best" t 200 $B $S --name "${name//=/}" -- $GPT27_TP2SP --micro-batch-size 16
+    ( export "$best"; t 200 $B $S --name "${name//=/}" -- $GPT27_TP2SP --micro-batch-size 16 )
     cp "bench/results/${name//=/}.json" "$OUT"/ 2>/dev/null
   fi
 }
