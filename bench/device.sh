@@ -755,6 +755,16 @@ stage_tpprofile() {  # issue 15 on 2 GPUs: where the GPT-6.7B TP=2+SP step with 
   cp "$LOGS"/profile_tp2_sp_gpt6_7b_$mode.* "$OUT"/ 2>/dev/null
 }
 
+stage_tpprofile27() {  # issue 15 on 2 x H200: where the GPT-2.7B TP=2+SP step (micro batch 16, global batch 32, the
+  # default flags) goes, by kernel kind on both ranks: the 0.457 against 0.50 (session 18)
+  local tag=${RUN_TAG:-s21}
+  ds_patches
+  t ${PROFILE_LIMIT:-300} $PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_train.py \
+    --steps 8 --variant compile --out "$LOGS/profile_tp2_sp_gpt2_7b_mbs16_$tag.txt" -- --preset GPT2_7B --bf16 \
+    --micro-batch-size 16 --global-batch-size 32 --zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel
+  cp "$LOGS"/profile_tp2_sp_gpt2_7b_mbs16_$tag.* "$OUT"/ 2>/dev/null
+}
+
 stage_zero3x2() {  # issue 15 on 2 GPUs: ZeRO-3 DP=2 compiled over NCCL against the one-GPU curve and against
   # ZeRO-3 DP=2 eager, dropout on and off
   ds_patches
