@@ -93,7 +93,8 @@ def render(results_dir: Path) -> str:
     if other:
         lines += ["", "### Other records (scalar fields; the JSON has the rest)", ""]
         lines += [f"- `{r['name']}` ({r.get('kind')}, {r.get('gpu', (r.get('environment') or {}).get('gpu'))}, "
-                  f"{(r.get('date') or '')[:16]}): {_scalars(r)}" for r in other]
+                  f"{(r.get('date') or (r.get('environment') or {}).get('date') or '')[:16]}): {_scalars(r)}"
+                  for r in other]
     lines += ["", END]
     return "\n".join(lines)
 
