@@ -765,6 +765,20 @@ stage_tpprofile27() {  # issue 15 on 2 x H200: where the GPT-2.7B TP=2+SP step (
   cp "$LOGS"/profile_tp2_sp_gpt2_7b_mbs16_$tag.* "$OUT"/ 2>/dev/null
 }
 
+stage_tp27gbs() {  # issue 15 on 2 x H200, one call: GPT-2.7B TP=2+SP with the default flags at the global batches
+  # training runs use (GPT-3 2.7B: 512 sequences), where the optimizer step is paid once per many micro-batches:
+  # micro batch 16 at global batch 128, micro batch 24 at global batch 96
+  local S="--steps 6 --warmup-steps 2" tag=${RUN_TAG:-s21}
+  local base="--preset GPT2_7B --bf16 --zero-stage 1 --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel"
+  ds_patches
+  t 200 $B $S --name "gpt2_7b_s2048_mbs16_gbs128_z1_tp2_sp_default_$tag" -- $base --micro-batch-size 16 \
+    --global-batch-size 128
+  cp bench/results/gpt2_7b_s2048_mbs16_gbs128_z1_tp2_sp_default_$tag.json "$OUT"/ 2>/dev/null
+  t 200 $B $S --name "gpt2_7b_s2048_mbs24_gbs96_z1_tp2_sp_default_$tag" -- $base --micro-batch-size 24 \
+    --global-batch-size 96
+  cp bench/results/gpt2_7b_s2048_mbs24_gbs96_z1_tp2_sp_default_$tag.json "$OUT"/ 2>/dev/null
+}
+
 stage_zero3x2() {  # issue 15 on 2 GPUs: ZeRO-3 DP=2 compiled over NCCL against the one-GPU curve and against
   # ZeRO-3 DP=2 eager, dropout on and off
   ds_patches
