@@ -540,6 +540,14 @@ stage_defaults9() {  # session 9: ATen's dropout in the compiled layers, the cli
   defaults_vs_reference defaults9 s9
 }
 
+stage_gpupp() {  # on 2 GPUs: the PP=2 GPU tests (eager and compiled against the one-GPU curve, compiled against eager
+  # with dropout on and off) with the head-aware stage split that is the default since session 20
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_pp.json" t 500 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "pp2 and not fp8"
+  cp "$LOGS/gpu_tests_pp.json" "$OUT"/ 2>/dev/null
+}
+
 stage_gpucompile1() {  # the one-GPU --torch-compile test against eager, dropout on and off
   MDS_GPU_REPORT="$LOGS/gpu_tests_compile1.json" t 400 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
     -k "compile_matches_eager and 1gpu"
