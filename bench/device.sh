@@ -825,11 +825,8 @@ stage_ctaprobe() {  # issue 15 on 2 GPUs, one call: fewer NCCL CTAs, so that a c
   local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
   local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s21} setting
   for setting in default NCCL_MAX_CTAS=16 NCCL_MAX_CTAS=8 NCCL_MAX_CTAS=4 NCCL_CTA_POLICY=1 NCCL_CTA_POLICY=2; do
-    if [ $setting = default ]; then
-      t 60 $P --label default --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl"
-    else
-      ( export "$setting"; t 60 $P --label "$setting" --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl" )
-    fi
+    ( [ "$setting" = default ] || export "$setting"
+      t 60 $P --label "$setting" --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl" )
   done
   local best
   best=$($PYTHON - "$OUT/cta_probe_$tag.jsonl" <<'PY'
