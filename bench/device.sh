@@ -851,6 +851,18 @@ PY
   fi
 }
 
+stage_linkprobe() {  # issue 15 on 2 GPUs, one short call: the link's own speed against NCCL's. Peer copies by the
+  # copy engines one way and both ways (bench/probe_nvlink.py), the links nvidia-smi reports, and NCCL's gather and
+  # scatter of GPT-2.7B's tensors in the same call, with NCCL's channel choice logged
+  nvidia-smi topo -m
+  nvidia-smi nvlink -s | head -40
+  t 60 $PYTHON bench/probe_nvlink.py --sizes-mib 80 160 640 --out "$OUT/nvlink_probe_${RUN_TAG:-s22}.jsonl"
+  local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING NCCL_DEBUG_FILE="$OUT/nccl_debug_%p.txt" t 60 $P --label default \
+    --hidden 2560 --sizes-mib 80 160 640 --out "$OUT/nvlink_probe_nccl_${RUN_TAG:-s22}.jsonl"
+  grep -h "NCCL version\|channels\|nChannels" "$OUT"/nccl_debug_*.txt | sort | uniq -c | head -20
+}
+
 stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradient accumulation (micro batch 4,
   # global batch 16), so the optimizer step (45 ms at global batch 4) is paid once per 4 micro-batches; each lever
   local S="--steps 7 --warmup-steps 3"
