@@ -863,6 +863,34 @@ stage_linkprobe() {  # issue 15 on 2 GPUs, one short call: the link's own speed 
   grep -h "NCCL version\|channels\|nChannels" "$OUT"/nccl_debug_*.txt | sort | uniq -c | head -20
 }
 
+stage_regprobe() {  # issue 15 on 2 GPUs, one short call: NCCL with its buffers registered. The link moves about 1.85x
+  # what NCCL's two-rank gather does (session 22, linkprobe); registered buffers let NCCL copy straight between
+  # them (ncclCommRegister), symmetric windows (ncclCommWindowRegister) its symmetric kernels and, under
+  # NCCL_CTA_POLICY=2, its copy-engine collectives. GPT-2.7B's gathers and scatters, alone and beside the GEMM
+  local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
+  local A="--hidden 2560 --sizes-mib 80 160 --out $OUT/reg_probe_${RUN_TAG:-s22}.jsonl" transport
+  for transport in nccl nccl-registered nccl-window; do
+    t 60 $P --label "$transport" --transport $transport $A
+  done
+  NCCL_CTA_POLICY=2 t 60 $P --label "nccl-registered cta2" --transport nccl-registered $A
+  NCCL_CTA_POLICY=2 NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$OUT/nccl_debug_window_%p.txt" t 60 $P \
+    --label "nccl-window cta2" --transport nccl-window $A
+  grep -h -i "symmetric\|window\|CTA\|copy engine\|CE " "$OUT"/nccl_debug_window_*.txt | sort | uniq -c | head -20
+}
+
+stage_regstep() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (global batch 32; micro batch 16 on a 141 GB card,
+  # else 8) with every allocator segment registered with NCCL (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1,
+  # which torch turns off under expandable segments, so both runs go without them), against NCCL's default
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s22} mbs=8
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] && mbs=16
+  ds_patches
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+  t 240 $B $S --name "gpt2_7b_s2048_mbs${mbs}_gbs32_z1_tp2_sp_noexpand_$tag" -- $GPT27_TP2SP --micro-batch-size $mbs
+  TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 t 200 $B $S \
+    --name "gpt2_7b_s2048_mbs${mbs}_gbs32_z1_tp2_sp_reghook_$tag" -- $GPT27_TP2SP --micro-batch-size $mbs
+  unset PYTORCH_CUDA_ALLOC_CONF
+}
+
 stage_tpaccum67() {  # issue 15 on 2 GPUs, one call: GPT-6.7B TP=2+SP with gradient accumulation (micro batch 4,
   # global batch 16), so the optimizer step (45 ms at global batch 4) is paid once per 4 micro-batches; each lever
   local S="--steps 7 --warmup-steps 3"

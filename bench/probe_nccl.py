@@ -11,6 +11,11 @@ Sizes are the gathered tensor (micro batch x sequence x hidden, bf16): GPT-6.7B 
 own (bus bandwidth as nccl-tests counts it), then each beside the MLP's first GEMM on another stream: what the
 collective and the GEMM cost each other when they overlap.
 
+--transport nccl-registered / nccl-window allocate the tensors from NCCL's own allocator (ncclMemAlloc, the
+backend's mem_allocator) and register that pool with the communicator, as a buffer (ncclCommRegister: NCCL may
+copy straight between the users' buffers instead of through its staging FIFO) or as a symmetric window
+(ncclCommWindowRegister: NCCL's symmetric kernels, and its copy-engine collectives under NCCL_CTA_POLICY=2).
+
 --transport ce-workspace / ce-symmetric time torch's symmetric-memory "low-contention" all-gather and
 reduce-scatter instead of NCCL's: peer pulls by the copy engines over NVLink, which leave the SMs to the GEMM.
 ce-workspace copies the input into a symmetric workspace first (one SM copy, what a compiled layer's tensor would
@@ -41,7 +46,8 @@ def main() -> None:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--transport", choices=["nccl", "ce-workspace", "ce-symmetric"], default="nccl")
+    p.add_argument("--transport", choices=["nccl", "nccl-registered", "nccl-window", "ce-workspace", "ce-symmetric"],
+                   default="nccl")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -51,7 +57,8 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     side = torch.cuda.Stream()
     rows = []
-    gather, scatter, tensor = _transport(args.transport)
+    arena_mib = sum(size + size // world for size in args.sizes_mib)
+    gather, scatter, tensor = _transport(args.transport, arena_mib)
     for size in args.sizes_mib:
         tokens = size * MIB // (2 * args.hidden)
         full = tensor(tokens, args.hidden).normal_()
@@ -90,15 +97,19 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _transport(name: str):
+def _transport(name: str, arena_mib: int):
     """(gather(full, shard), scatter(shard, full), tensor(*shape)) for the transport: gather fills full from every
-    rank's shard, scatter leaves this rank's slice of the ranks' summed fulls in shard."""
+    rank's shard, scatter leaves this rank's slice of the ranks' summed fulls in shard. arena_mib: what the probe's
+    tensors need in all, for the transports that allocate them up front."""
     def plain(*shape):
         return torch.empty(*shape, device="cuda", dtype=torch.bfloat16)
 
+    nccl = (lambda full, shard: dist.all_gather_into_tensor(full, shard),
+            lambda shard, full: dist.reduce_scatter_tensor(shard, full))
     if name == "nccl":
-        return (lambda full, shard: dist.all_gather_into_tensor(full, shard),
-                lambda shard, full: dist.reduce_scatter_tensor(shard, full), plain)
+        return (*nccl, plain)
+    if name in ("nccl-registered", "nccl-window"):
+        return (*nccl, _registered_arena(arena_mib, window=name == "nccl-window"))
     import torch.distributed._symmetric_memory as symm_mem
 
     group = dist.group.WORLD.group_name
@@ -117,6 +128,34 @@ def _transport(name: str):
         wait(ops._low_contention_reduce_scatter(full, "sum", group))
 
     return gather, scatter, symmetric if name == "ce-symmetric" else plain
+
+
+def _registered_arena(mib: int, window: bool):
+    """A tensor factory carving bf16 tensors out of one block from NCCL's allocator, registered with the world's
+    communicator before the first collective (a pool registers the segments it holds when registered)."""
+    backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+    pool = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        arena = torch.empty(mib * MIB // 2, device="cuda", dtype=torch.bfloat16)
+    if window:
+        backend.register_mem_pool(pool, symm=True)  # a TypeError here: this torch cannot register windows
+    else:
+        backend.register_mem_pool(pool)
+    used = 0
+
+    def tensor(*shape):
+        nonlocal used
+        n = 1
+        for d in shape:
+            n *= d
+        if used + n > arena.numel():
+            raise RuntimeError(f"the registered arena ({mib} MiB) is too small for the probe's sizes")
+        t = arena[used:used + n].view(*shape)
+        used += n
+        return t
+
+    tensor.keep = (pool, arena)  # the pool must outlive its tensors
+    return tensor
 
 
 if __name__ == "__main__":
