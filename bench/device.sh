@@ -878,6 +878,17 @@ stage_regprobe() {  # issue 15 on 2 GPUs, one short call: NCCL with its buffers 
   grep -h -i "symmetric\|window\|CTA\|copy engine\|CE " "$OUT"/nccl_debug_window_*.txt | sort | uniq -c | head -20
 }
 
+stage_pushprobe() {  # issue 15 on 2 GPUs, one short call: what a hand-written copy-engine transport could reach for
+  # GPT-2.7B's gathers and scatters (bench/probe_nccl.py --transport ce-push: peer memcpy into symmetric memory, one
+  # barrier), against NCCL and torch's low-contention ops in the same call
+  local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
+  local transport
+  for transport in nccl ce-symmetric ce-push; do
+    t 60 $P --label "$transport" --transport $transport --hidden 2560 --sizes-mib 80 160 \
+      --out "$OUT/push_probe_${RUN_TAG:-s22}.jsonl"
+  done
+}
+
 stage_regstep() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (global batch 32; micro batch 16 on a 141 GB card,
   # else 8) with every allocator segment registered with NCCL (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1,
   # which torch turns off under expandable segments, so both runs go without them), against NCCL's default

@@ -16,6 +16,10 @@ backend's mem_allocator) and register that pool with the communicator, as a buff
 copy straight between the users' buffers instead of through its staging FIFO) or as a symmetric window
 (ncclCommWindowRegister: NCCL's symmetric kernels, and its copy-engine collectives under NCCL_CTA_POLICY=2).
 
+--transport ce-push pushes each shard into the peers' gathered tensors by peer memcpy (symmetric memory, one
+barrier): the copy engines at the link's rate with the least synchronisation, the ceiling for a hand-written
+transport.
+
 --transport ce-workspace / ce-symmetric time torch's symmetric-memory "low-contention" all-gather and
 reduce-scatter instead of NCCL's: peer pulls by the copy engines over NVLink, which leave the SMs to the GEMM.
 ce-workspace copies the input into a symmetric workspace first (one SM copy, what a compiled layer's tensor would
@@ -46,7 +50,7 @@ def main() -> None:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--transport", choices=["nccl", "nccl-registered", "nccl-window", "ce-workspace", "ce-symmetric"],
+    p.add_argument("--transport", choices=["nccl", "nccl-registered", "nccl-window", "ce-workspace", "ce-symmetric", "ce-push"],
                    default="nccl")
     p.add_argument("--out")
     args = p.parse_args()
@@ -127,7 +131,47 @@ def _transport(name: str, arena_mib: int):
     def scatter(shard, full):
         wait(ops._low_contention_reduce_scatter(full, "sum", group))
 
+    if name == "ce-push":
+        return _copy_engine_push(group)
     return gather, scatter, symmetric if name == "ce-symmetric" else plain
+
+
+def _copy_engine_push(group: str):
+    """The copy engines at the link's rate, with the least synchronisation a gather and a scatter need: the
+    gathered tensor lives in symmetric memory, each rank pushes its shard into every peer's copy of it by a peer
+    memcpy, then one barrier; a scatter is one barrier, a pull of this rank's slice from each peer, one add and a
+    barrier before the peers may write again. What a hand-written transport could reach, not one we run."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    handles, staging = {}, {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def symmetric(*shape):
+        t = symm_mem.empty(*shape, device="cuda", dtype=torch.bfloat16)
+        handles[t.data_ptr()] = symm_mem.rendezvous(t, group)
+        return t
+
+    def gather(full, shard):
+        h, n = handles[full.data_ptr()], shard.shape[0]
+        for peer in range(world):
+            dst = full[rank * n:(rank + 1) * n] if peer == rank else h.get_buffer(
+                peer, tuple(shard.shape), shard.dtype, rank * shard.numel())
+            dst.copy_(shard)
+        h.barrier()
+
+    def scatter(shard, full):
+        h, n = handles[full.data_ptr()], shard.shape[0]
+        pulled = staging.setdefault(tuple(shard.shape), torch.empty_like(shard))
+        h.barrier()
+        summed = full[rank * n:(rank + 1) * n]
+        for peer in range(world):
+            if peer != rank:
+                pulled.copy_(h.get_buffer(peer, tuple(shard.shape), shard.dtype, rank * shard.numel()))
+                torch.add(summed, pulled, out=shard)
+                summed = shard
+        h.barrier()
+
+    return gather, scatter, symmetric
 
 
 def _registered_arena(mib: int, window: bool):
