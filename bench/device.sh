@@ -889,6 +889,21 @@ stage_pushprobe() {  # issue 15 on 2 GPUs, one short call: what a hand-written c
   done
 }
 
+stage_refdrop() {  # issue 15, one GPU, one call: like for like with dropout. The compiled reference without and with
+  # Megatron's dropout (bench/reference_dropout.py), and our default flags (dropout 0.1), in one call
+  local tag=${RUN_TAG:-s22}
+  ds_patches
+  [ -f .whl/reference_gpt.py ] || { echo "refdrop needs .whl/reference_gpt.py"; return 1; }
+  OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
+  cp "$LOGS/anchor.json" "$OUT/reference_gpt_refdrop_$tag.json" 2>/dev/null
+  OUT="$LOGS" t 200 $PYTHON bench/reference_dropout.py .whl/reference_gpt.py --which compile --mbs 16 --steps 10 \
+    --warmup 3
+  cp "$LOGS/anchor.json" "$OUT/reference_gpt_dropout_$tag.json" 2>/dev/null
+  local name="gpt1_3b_s2048_mbs16_z1_default_flags_$tag"
+  t 150 $B --steps 16 --warmup-steps 5 --name "$name" -- $GPT13 --micro-batch-size 16 --zero-stage 1
+  cp "bench/results/$name.json" "$OUT"/ 2>/dev/null
+}
+
 stage_regstep() {  # issue 15 on 2 GPUs, one call: GPT-2.7B TP=2+SP (global batch 32; micro batch 16 on a 141 GB card,
   # else 8) with every allocator segment registered with NCCL (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1,
   # which torch turns off under expandable segments, so both runs go without them), against NCCL's default
