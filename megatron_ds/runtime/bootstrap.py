@@ -66,6 +66,9 @@ class Plan:
         return [as_spawned(self.info, local, self.nproc) for local in range(self.nproc)]
 
 
+SUPERVISED_ENV = "MDS_SUPERVISED"  # set in the ranks spawn_ranks starts: their launcher flags were ours to apply
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -73,8 +76,12 @@ def _free_port() -> int:
 
 
 def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
-              env: Mapping[str, str] = os.environ) -> Plan:
-    """Discover, choose the profile and the launch mode. Raises DiscoveryError / ProfileError."""
+              env: Mapping[str, str] = os.environ, *, max_restarts: int = 0) -> Plan:
+    """Discover, choose the profile and the launch mode. Raises DiscoveryError / ProfileError.
+
+    With max_restarts a single rank is spawned too, so that a supervisor is there to restart it. Where another
+    launcher owns the rank processes (torchrun, one scheduler task per rank) --nproc-per-node and --max-restarts
+    cannot apply: rank 0 says so instead of dropping them silently."""
     info = discover(env)
     chosen, profile_why = profiles.choose(profile, env)
     if nproc_per_node is not None and nproc_per_node < 1:
@@ -87,18 +94,31 @@ def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
     else:
         nproc, why = 1, "no GPU visible"
     if info.source == "env":
+        if env.get(SUPERVISED_ENV) != "1" and info.rank == 0:  # our own spawned ranks inherit both flags
+            ignored = [flag for flag, given in (("--nproc-per-node", nproc_per_node is not None),
+                                                ("--max-restarts", max_restarts > 0)) if given]
+            if ignored:
+                _warn(f"{' and '.join(ignored)} ignored: RANK is set, so another launcher (torchrun?) started this "
+                      f"rank and owns its processes; give that launcher the option (torchrun has both)")
         return Plan(info, False, 1, "RANK is set: this process is one rank", chosen, profile_why)
     if info.local_world_size > 1:
         if nproc_per_node is not None and nproc_per_node != info.local_world_size:
             _warn(f"--nproc-per-node {nproc_per_node} ignored: {info.source} already runs {info.local_world_size} "
                   f"tasks on this node, each one rank")
+        if max_restarts > 0 and info.rank == 0:
+            _warn(f"--max-restarts {max_restarts} ignored: {info.source} runs one task per rank and owns them; "
+                  f"restart the job with it (Slurm: #SBATCH --requeue, see the README's Restarts), or run one task "
+                  f"per node and let mds start the node's ranks")
         return Plan(info, False, 1, f"{info.source} runs {info.local_world_size} tasks on this node: one rank each",
                     chosen, profile_why)
     if info.source == "none" and env.get("SLURM_JOB_ID") and int(env.get("SLURM_JOB_NUM_NODES") or 1) > 1:
         _warn("inside a Slurm batch script but not in an srun step: only this node runs; start ranks with srun")
-    if nproc > 1 and info.source == "none" and not env.get("MASTER_PORT"):
+    spawn = nproc > 1 or max_restarts > 0
+    if nproc == 1 and spawn:
+        why += f"; started as a supervised child for --max-restarts {max_restarts}"
+    if spawn and info.source == "none" and not env.get("MASTER_PORT"):
         info = dataclasses.replace(info, master_port=_free_port())
-    return Plan(info, nproc > 1, nproc, why, chosen, profile_why)
+    return Plan(info, spawn, nproc, why, chosen, profile_why)
 
 
 def _warn(message: str) -> None:
@@ -175,6 +195,7 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
     failure up to `max_restarts` times; returns the launcher's exit code."""
     base = dict(os.environ)
     prepare_env(plan, base, strict=strict)
+    base[SUPERVISED_ENV] = "1"
     print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
     policy = RestartPolicy(max_restarts)
     while True:
@@ -207,7 +228,7 @@ def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, pro
     --strict, --label, --tee and --grace go through spawn_ranks / enter_rank directly.
     """
     try:
-        plan = plan or make_plan(nproc_per_node, profile)
+        plan = plan or make_plan(nproc_per_node, profile, max_restarts=max_restarts)
         if plan.spawn:
             argv = [sys.executable, "-m", "entrypoint", *child_argv]
             return spawn_ranks(plan, argv, signal_grace=signal_grace, max_restarts=max_restarts)

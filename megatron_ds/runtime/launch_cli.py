@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         parser.error("no command: use `entrypoint launch [options] -- CMD ...`")
     apply_overrides(args)
     try:
-        plan = bootstrap.make_plan(args.nproc_per_node, args.profile)
+        plan = bootstrap.make_plan(args.nproc_per_node, args.profile, max_restarts=args.max_restarts)
         if plan.spawn:
             return bootstrap.spawn_ranks(plan, command, strict=args.strict, grace=args.grace, label=args.label,
                                          tee_dir=args.tee, max_restarts=args.max_restarts)

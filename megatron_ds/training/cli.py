@@ -18,7 +18,7 @@ def launch_plan(args):
     """How this run will launch (its world size comes from the launcher's variables, or the ranks we spawn)."""
     from megatron_ds.runtime.bootstrap import make_plan
 
-    return make_plan(args.nproc_per_node, args.profile)
+    return make_plan(args.nproc_per_node, args.profile, max_restarts=args.max_restarts)
 
 
 def main(argv: list[str]) -> int:

@@ -56,3 +56,40 @@ def test_visible_gpus_from_the_filesystem(tmp_path, files, count):
         (tmp_path / rel).write_text(content)
     assert visible_gpus({}, root=str(tmp_path)) == count
     assert visible_gpus({"ROCR_VISIBLE_DEVICES": "0,1,2"}, root=str(tmp_path)) == 3
+
+
+def test_max_restarts_supervises_even_a_single_rank():
+    plan = make_plan(None, None, {"CUDA_VISIBLE_DEVICES": ""}, max_restarts=2)
+    assert plan.spawn and plan.nproc == 1 and [r.rank for r in plan.ranks()] == [0]
+    assert "supervised child for --max-restarts 2" in plan.nproc_why and plan.info.master_port != 29500
+    one_task_per_node = make_plan(None, None, SLURM_NODE_1_OF_2, max_restarts=1)
+    assert one_task_per_node.spawn and [(r.rank, r.world_size) for r in one_task_per_node.ranks()] == [(1, 2)]
+
+
+TORCHRUN_RANK_0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n1",
+                   "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.parametrize("nproc, restarts, named", [
+    (2, 0, "--nproc-per-node ignored"), (None, 3, "--max-restarts ignored"),
+    (2, 3, "--nproc-per-node and --max-restarts ignored")])
+def test_launcher_flags_another_launcher_owns_are_named_by_rank_0(capsys, nproc, restarts, named):
+    plan = make_plan(nproc, None, TORCHRUN_RANK_0, max_restarts=restarts)
+    assert not plan.spawn
+    err = capsys.readouterr().err
+    assert f"mds: WARNING: {named}: RANK is set" in err and "torchrun" in err, err
+    make_plan(nproc, None, dict(TORCHRUN_RANK_0, RANK="1", LOCAL_RANK="1"), max_restarts=restarts)
+    assert capsys.readouterr().err == ""  # once per job, not once per rank
+    make_plan(nproc, None, dict(TORCHRUN_RANK_0, MDS_SUPERVISED="1"), max_restarts=restarts)
+    assert capsys.readouterr().err == ""  # a rank we spawned: its parent applied both
+
+
+def test_max_restarts_under_one_task_per_rank_is_named(capsys):
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "n[1-2]"}
+    plan = make_plan(None, None, env, max_restarts=2)
+    assert not plan.spawn and plan.info.rank == 0
+    err = capsys.readouterr().err
+    assert "--max-restarts 2 ignored: slurm runs one task per rank" in err and "--requeue" in err, err
+    make_plan(None, None, env)
+    assert capsys.readouterr().err == ""

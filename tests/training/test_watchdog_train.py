@@ -160,3 +160,26 @@ def test_sigkilled_rank_restarts_from_latest_and_matches_the_uninterrupted_run(t
     got = {r["iteration"]: r["lm_loss"] for r in records[starts[0]:]}
     assert sorted(got) == list(range(first_resumed, iters + 1))
     assert {i: got[i] for i in got} == {i: want[i] for i in got}  # bitwise: same floats after the resume point
+
+
+def test_one_process_with_max_restarts_runs_supervised_and_resumes_from_latest(tmp_path, demo_corpus):
+    """No launcher and no --nproc-per-node: with --max-restarts the one rank runs as a supervised child (it ran in
+    the entrypoint's own process before, where the flag could do nothing), so a killed rank resumes from `latest`."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = train_argv(demo_corpus, tmp_path, 40, "--save", ckpt, "--load", ckpt, "--save-interval", "10",
+                      "--max-restarts", "1")
+    at = argv.index("--nproc-per-node")
+    del argv[at:at + 2]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    wait_for_iteration(proc, tmp_path / "metrics.jsonl", 15)
+    os.kill(rank_pid(tmp_path, 0), signal.SIGKILL)
+    _, stderr = finish(proc, 300)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert re.search(r"spawning 1 local rank\(s\) \(.*; started as a supervised child for --max-restarts 1\)",
+                     stderr), stderr[-4000:]
+    assert re.search(r"restart 1/1 after exit code 137 of rank 0 at iteration \d+", stderr), stderr[-4000:]
+    records = iterations(tmp_path / "metrics.jsonl")
+    starts = [i for i in range(1, len(records)) if records[i]["iteration"] <= records[i - 1]["iteration"]]
+    assert len(starts) == 1 and records[starts[0]]["iteration"] - 1 in (10, 20, 30), [r["iteration"] for r in records]
+    assert records[-1]["iteration"] == 40

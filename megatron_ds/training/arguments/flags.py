@@ -315,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 1800)")
     g.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the node's ranks up to N times after a failure or a hang, resuming from --load's "
-                        "latest checkpoint; the same failure at the same iteration twice in a row stops (default 0)")
+                        "latest checkpoint; the same failure at the same iteration twice in a row stops (default 0). "
+                        "A single rank then runs as a supervised child; under torchrun or one scheduler task per "
+                        "rank that launcher owns the ranks, and mds says so")
     g.add_argument("--straggler-factor", type=float, default=1.5, metavar="X",
                    help="at each log point, name the rank whose own work per step (data path + forward) is more "
                         "than X times the other ranks' median (metrics: straggler_rank); 0 turns it off (default 1.5)")
