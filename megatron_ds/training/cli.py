@@ -15,9 +15,14 @@ def _error(message: str) -> int:
 
 
 def launch_plan(args):
-    """How this run will launch (its world size comes from the launcher's variables, or the ranks we spawn)."""
+    """How this run will launch (its world size comes from the launcher's variables, or the ranks we spawn).
+    --master-addr/--master-port go into the environment first, as `entrypoint launch` does with them."""
     from megatron_ds.runtime.bootstrap import make_plan
+    from megatron_ds.runtime.launch_cli import apply_overrides
 
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise ConfigError("--master-port", f"must be a TCP port (1-65535), got {args.master_port}")
+    apply_overrides(args)
     return make_plan(args.nproc_per_node, args.profile, max_restarts=args.max_restarts)
 
 

@@ -388,3 +388,16 @@ def test_ulysses_rules_name_the_flag(files):
     else:  # torch 2.1 (make test-torch21): that Ulysses cannot run at all is said first
         check(files, ["--ds-sequence-parallel-size", "2", "--torch-compile"], 2, "--ds-sequence-parallel-size",
               "DeepSpeed-Ulysses cannot run here")
+
+
+def test_master_address_and_port_are_torchruns_flags_on_train_too(files, capsys, monkeypatch):
+    from megatron_ds.training.cli import launch_plan, main
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "")  # so that teardown also removes what the flags put there
+        monkeypatch.delenv(name)
+    assert main(base(files, "--master-port", "70000")) == 2
+    assert "error: --master-port: must be a TCP port (1-65535), got 70000" in capsys.readouterr().err
+    plan = launch_plan(parse_args(base(files, "--nproc-per-node", "2", "--master-addr", "127.0.0.2",
+                                       "--master-port", "29777")))
+    assert plan.spawn and {(r.master_addr, r.master_port) for r in plan.ranks()} == {("127.0.0.2", 29777)}

@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: nccl on GPUs (RCCL on ROCm), gloo on CPU")
     g.add_argument("--nproc-per-node", type=int, help="ranks to spawn on this node (default: its GPUs, or 1)")
     g.add_argument("--profile", help="site profile for the NCCL/RCCL environment (default: detected)")
+    g.add_argument("--master-addr", help="overrides MASTER_ADDR (default: the first host of the job, torchrun's name)")
+    g.add_argument("--master-port", type=int, help="overrides MASTER_PORT (default: derived from the job id; a free "
+                                                   "port without a launcher)")
 
     g = p.add_argument_group("batch, iterations, schedule")
     g.add_argument("--micro-batch-size", type=int)
