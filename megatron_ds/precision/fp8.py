@@ -35,7 +35,7 @@ class FP8Options:
     interval: int = 1  # delayed scaling: steps between scale updates (Transformer Engine; deprecated upstream)
     amax_history_len: int = 1  # delayed scaling: amax values remembered (Transformer Engine)
     amax_compute_algo: str = "most_recent"  # delayed scaling: most_recent | max over that history
-    recipe: str = "tensorwise"  # torchao dynamic scaling granularity: tensorwise | rowwise
+    recipe: str | None = None  # --fp8-recipe as given (None: the engine's own; TE delayed, torchao tensorwise)
     msamp_opt_level: str = "O2"  # MS-AMP: O1 FP8 weights/grads, O2 + low-bit Adam moments, O3 + FP8 ZeRO
 
 

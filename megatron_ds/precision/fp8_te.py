@@ -105,5 +105,6 @@ class TransformerEngine(FP8Engine):
                 f"{o.amax_history_len}, {o.amax_compute_algo})")
 
     def notes(self, given: set[str]) -> list[str]:
-        return (["note: --fp8-recipe applies to torchao; Transformer Engine scales with its delayed-scaling recipe"]
-                if "--fp8-recipe" in given else [])
+        recipe = self.options.recipe
+        return ([f"note: --fp8-recipe {recipe} applies to torchao; Transformer Engine runs its delayed-scaling "
+                 "recipe (--fp8-recipe delayed)"] if recipe not in (None, "delayed") else [])

@@ -44,6 +44,8 @@ class TorchaoEngine(FP8Engine):
     def __init__(self, options):
         super().__init__(options)
         self.tuned = False  # whether convert() turned inductor's kernel tuning on
+        # torchao scales from each tensor's current values: delayed (Megatron-LM's default name) runs tensorwise
+        self.recipe = "rowwise" if options.recipe == "rowwise" else "tensorwise"
 
     def missing(self) -> str | None:
         try:
@@ -58,7 +60,7 @@ class TorchaoEngine(FP8Engine):
         import torch
         from torchao.float8 import CastConfig, Float8LinearConfig
 
-        if self.options.recipe == "rowwise":  # torchao's recipe: e4m3 everywhere, power-of-two scales
+        if self.recipe == "rowwise":  # torchao's recipe: e4m3 everywhere, power-of-two scales
             return Float8LinearConfig.from_recipe_name("rowwise")
         if self.options.format == "e4m3":  # gradients in e4m3 too (hybrid: torchao's default, e5m2)
             return Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))
@@ -73,9 +75,9 @@ class TorchaoEngine(FP8Engine):
                                           module_filter_fn=lambda module, fqn: id(module) in chosen)
 
     def describe(self) -> str:
-        grads = "e4m3" if self.options.recipe == "rowwise" or self.options.format == "e4m3" else "e5m2"
+        grads = "e4m3" if self.recipe == "rowwise" or self.options.format == "e4m3" else "e5m2"
         tuned = ", inductor tunes its fused kernels" if self.tuned else ""
-        return f"torchao (float8 {self.options.recipe} dynamic scaling, e4m3 forward / {grads} gradients{tuned})"
+        return f"torchao (float8 {self.recipe} dynamic scaling, e4m3 forward / {grads} gradients{tuned})"
 
     def notes(self, given: set[str]) -> list[str]:
         ignored = [flag for flag in DELAYED_SCALING_FLAGS if flag in given]
@@ -83,6 +85,9 @@ class TorchaoEngine(FP8Engine):
         if ignored:
             notes.append(f"note: {', '.join(ignored)} accepted and ignored: torchao scales each tensor dynamically "
                          "(these set Transformer Engine's delayed scaling)")
-        if self.options.recipe == "rowwise" and self.options.format == "hybrid" and "--fp8-hybrid" in given:
+        if self.options.recipe == "delayed":
+            notes.append("note: --fp8-recipe delayed: torchao has no delayed scaling; it scales each tensor from its "
+                         "current values (tensorwise). Delayed scaling runs with --fp8-engine te")
+        if self.recipe == "rowwise" and self.options.format == "hybrid" and "--fp8-hybrid" in given:
             notes.append("note: --fp8-recipe rowwise uses torchao's rowwise recipe: e4m3 gradients too")
         return notes

@@ -263,3 +263,29 @@ def test_msamp_notes():
     assert notes[1] == ("note: --bf16 with MS-AMP: its FP8Linear weights are fp16 (with a scaling meta) whatever the "
                         "model dtype")
     assert engine.notes({"--fp16"}) == []
+
+
+def test_fp8_recipe_takes_megatron_lms_names(files):
+    """Megatron-LM's --fp8-recipe: delayed (its default), tensorwise, mxfp8, blockwise. delayed is Transformer
+    Engine's scaling; torchao has none and runs tensorwise, saying so; the block-scaling recipes are refused."""
+    from megatron_ds.precision.fp8 import FP8Options, options_from_args
+    from megatron_ds.precision.fp8_te import TransformerEngine
+    from megatron_ds.precision.fp8_torchao import TorchaoEngine
+
+    def parsed(*flags):
+        return parse_args(base(files, "--bf16", "--fp8-format", "hybrid", *flags), env={})
+
+    assert parsed().fp8_recipe is None
+    for recipe in ("blockwise", "mxfp8"):
+        err = refused(files, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe])
+        assert err.flag == "--fp8-recipe" and f"{recipe} is one of Megatron-LM's block-scaling recipes" in str(err)
+    delayed = TorchaoEngine(options_from_args(parsed("--fp8-recipe", "delayed")))
+    assert delayed.describe().startswith("torchao (float8 tensorwise dynamic scaling")
+    assert any("--fp8-recipe delayed: torchao has no delayed scaling" in n for n in delayed.notes({"--fp8-recipe"}))
+    assert TorchaoEngine(options_from_args(parsed())).notes(set()) == []
+    assert TorchaoEngine(FP8Options(recipe="rowwise")).describe().startswith("torchao (float8 rowwise")
+    te = TransformerEngine
+    assert te(FP8Options(recipe="delayed")).notes({"--fp8-recipe"}) == [] and te(FP8Options()).notes(set()) == []
+    assert te(FP8Options(recipe="tensorwise")).notes({"--fp8-recipe"}) == [
+        "note: --fp8-recipe tensorwise applies to torchao; Transformer Engine runs its delayed-scaling recipe "
+        "(--fp8-recipe delayed)"]

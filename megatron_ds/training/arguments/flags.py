@@ -205,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-engine", choices=["auto", "te", "msamp", "torchao"], default="auto",
                    help="which library runs FP8: auto = Transformer Engine where it can run, else torchao "
                         "(the engine that ran is printed at start)")
-    g.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
-                   help="torchao: dynamic scaling per tensor (fastest) or per row (e4m3 gradients)")
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"],
+                   help="Megatron-LM's names: delayed (Transformer Engine's scaling), tensorwise (dynamic, per "
+                        "tensor: torchao's default), rowwise (torchao, per row, e4m3 gradients); blockwise and mxfp8 "
+                        "are refused (mds runs no block-scaling recipe). Default: the engine's own")
     g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling margin (Transformer Engine)")
     g.add_argument("--fp8-interval", type=int, default=1, help="delayed scaling update interval (Transformer Engine)")
     g.add_argument("--fp8-amax-history-len", type=int, default=1,

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from megatron_ds.precision.fp8 import FP8Engine
 
 DELAYED_SCALING_POSITIVE = ("--fp8-interval", "--fp8-amax-history-len")
+BLOCK_SCALING_RECIPES = ("blockwise", "mxfp8")  # Megatron-LM's, for Transformer Engine's block-scaled recipes
 
 
 def fp8_flags(args: argparse.Namespace) -> None:
@@ -35,6 +36,9 @@ def fp8_flags(args: argparse.Namespace) -> None:
             if any(a.split("=")[0] == flag for a in args.argv):
                 raise ConfigError(flag, "applies to FP8 training, which is off: add --fp8-format hybrid (or e4m3)")
         return
+    if args.fp8_recipe in BLOCK_SCALING_RECIPES:
+        raise ConfigError("--fp8-recipe", f"{args.fp8_recipe} is one of Megatron-LM's block-scaling recipes, which mds "
+                          "does not run: use delayed (Transformer Engine), tensorwise or rowwise (torchao)")
     if not (args.bf16 or args.fp16):
         raise ConfigError(fp8_flag, "FP8 runs beside --bf16 or --fp16 (their parameters, master weights and "
                           "non-GEMM math); with fp32 parameters there is nothing to run beside: add --bf16")
