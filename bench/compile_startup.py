@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import environment  # noqa: E402  (after the path: run as a script from the repo root)
+
 SIZES = {  # hidden, heads, micro-batch (sequence 2048, the GPT-3 family's)
     "gpt1_3b_layer": (2048, 16, 8),
     "gpt13b_layer": (5120, 40, 2),
@@ -90,7 +92,8 @@ def main() -> int:
     else:
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
-    out = {"torch": torch.__version__, "gpu": None if args.cpu else torch.cuda.get_device_name(device),
+    out = {"kind": "compile_startup", "command": " ".join(["python", *sys.argv]), "environment": environment(),
+           "torch": torch.__version__, "gpu": None if args.cpu else torch.cuda.get_device_name(device),
            "warm_cache": args.warm, "layers": {}}
     print(f"{'layer':14} {'first compiled fwd+bwd':>22} {'steady compiled':>15} {'steady eager':>12} {'speed-up':>8}")
     for name in args.sizes.split(","):
