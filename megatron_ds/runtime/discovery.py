@@ -198,10 +198,28 @@ def _from_pmix(env: Mapping[str, str]) -> _Raw:
                 env.get("PMIX_NAMESPACE") or None)
 
 
+# An MPI launcher's rank and world-size variables, to compare with Slurm's when both are set
+MPI_RANK_AND_SIZE = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                     ("PMIX_RANK", "PMIX_SIZE"), ("PALS_RANKID", "PMI_SIZE"))
+
+
+def _mpi_launched_inside_slurm(env: Mapping[str, str]) -> bool:
+    """mpirun/mpiexec inside a Slurm allocation starts its daemons with srun, one per node, and its ranks inherit
+    that step's SLURM_* variables: then the MPI launcher's rank or world size differs from Slurm's, and it is the
+    one that started this process. srun's own MPI plugins (PMIx, PMI2) agree with Slurm."""
+    slurm_world = _first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    for rank, size in MPI_RANK_AND_SIZE:
+        if env.get(rank, "") != "" and env.get(size, "") != "":
+            if _int(env, rank) != _int(env, "SLURM_PROCID") or (slurm_world and _int(env, size) != slurm_world[1]):
+                return True
+    return False
+
+
 def _raw(env: Mapping[str, str]) -> _Raw | None:
     if env.get("RANK", "") != "":
         return _from_rank_variables(env)
-    if env.get("SLURM_PROCID", "") != "" and env.get("SLURM_STEP_ID", "") != "":
+    if (env.get("SLURM_PROCID", "") != "" and env.get("SLURM_STEP_ID", "") != ""
+            and not _mpi_launched_inside_slurm(env)):
         return _from_slurm(env)
     if env.get("PALS_RANKID", "") != "" or (env.get("PMI_RANK", "") != "" and env.get("PMI_LOCAL_RANK", "") != ""):
         return _from_pals(env)

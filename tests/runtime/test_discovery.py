@@ -49,6 +49,22 @@ CASES = [
      dict(source="env", rank=0, world_size=1)),
     ("slurm batch script is not a step", {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5"},
      dict(source="none")),
+    # mpirun inside an allocation: its ranks inherit the SLURM_* of the srun step that started its daemons
+    ("mpirun inside a slurm allocation", {"SLURM_PROCID": "1", "SLURM_STEP_ID": "1", "SLURM_NTASKS": "2",
+                                          "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                                          "SLURM_STEP_NODELIST": "n[1-2]", "OMPI_COMM_WORLD_RANK": "5",
+                                          "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                                          "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "n1"},
+     dict(source="openmpi", rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1, num_nodes=2)),
+    ("mpiexec (hydra) inside a slurm allocation, rank 0", {"SLURM_PROCID": "0", "SLURM_STEP_ID": "2",
+                                                           "SLURM_NTASKS": "2", "PMI_RANK": "0", "PMI_SIZE": "8",
+                                                           "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "4",
+                                                           "MASTER_ADDR": "n1"},
+     dict(source="mpich", rank=0, world_size=8, local_world_size=4, num_nodes=2)),
+    ("srun with pmix agrees with slurm", {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4",
+                                          "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_STEP_NODELIST": "n1",
+                                          "PMIX_RANK": "3", "PMIX_SIZE": "4"},
+     dict(source="slurm", rank=3, world_size=4, local_world_size=4)),
 ]
 
 
