@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -50,8 +51,8 @@ def main() -> None:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--transport", choices=["nccl", "nccl-registered", "nccl-window", "ce-workspace", "ce-symmetric", "ce-push"],
-                   default="nccl")
+    p.add_argument("--transport", default="nccl", choices=["nccl", "nccl-registered", "nccl-window", "ce-workspace",
+                                                            "ce-symmetric", "ce-push"])
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -120,9 +121,11 @@ def _transport(name: str, arena_mib: int):
     symm_mem.enable_symm_mem_for_group(group)
     ops, wait = torch.ops.symm_mem, torch.ops._c10d_functional.wait_tensor
 
+    handles = {}  # data_ptr -> the tensor's symmetric-memory handle (its peers' buffers, its barrier)
+
     def symmetric(*shape):
         t = symm_mem.empty(*shape, device="cuda", dtype=torch.bfloat16)
-        symm_mem.rendezvous(t, group)
+        handles[t.data_ptr()] = symm_mem.rendezvous(t, group)
         return t
 
     def gather(full, shard):  # into a new tensor (the op's), where NCCL writes into full
@@ -132,24 +135,18 @@ def _transport(name: str, arena_mib: int):
         wait(ops._low_contention_reduce_scatter(full, "sum", group))
 
     if name == "ce-push":
-        return _copy_engine_push(group)
+        return (*_copy_engine_push(handles), symmetric)
     return gather, scatter, symmetric if name == "ce-symmetric" else plain
 
 
-def _copy_engine_push(group: str):
+def _copy_engine_push(handles: dict):
     """The copy engines at the link's rate, with the least synchronisation a gather and a scatter need: the
     gathered tensor lives in symmetric memory, each rank pushes its shard into every peer's copy of it by a peer
     memcpy, then one barrier; a scatter is one barrier, a pull of this rank's slice from each peer, one add and a
-    barrier before the peers may write again. What a hand-written transport could reach, not one we run."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    handles, staging = {}, {}
+    barrier before the peers may write again. What a hand-written transport could reach, not one we run.
+    handles: each symmetric tensor's handle by data_ptr; returns (gather, scatter)."""
+    staging = {}
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    def symmetric(*shape):
-        t = symm_mem.empty(*shape, device="cuda", dtype=torch.bfloat16)
-        handles[t.data_ptr()] = symm_mem.rendezvous(t, group)
-        return t
 
     def gather(full, shard):
         h, n = handles[full.data_ptr()], shard.shape[0]
@@ -171,7 +168,7 @@ def _copy_engine_push(group: str):
                 summed = shard
         h.barrier()
 
-    return gather, scatter, symmetric
+    return gather, scatter
 
 
 def _registered_arena(mib: int, window: bool):
@@ -189,9 +186,7 @@ def _registered_arena(mib: int, window: bool):
 
     def tensor(*shape):
         nonlocal used
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         if used + n > arena.numel():
             raise RuntimeError(f"the registered arena ({mib} MiB) is too small for the probe's sizes")
         t = arena[used:used + n].view(*shape)

@@ -39,7 +39,7 @@ def main() -> None:
     spec.loader.exec_module(reference)
     reference.Block.forward = forward_with_dropout
     print(f"reference with dropout {DROPOUT} (attention probabilities and both residual branches)", flush=True)
-    sys.argv = [sys.argv[1], *sys.argv[2:]]
+    sys.argv = sys.argv[1:]  # the reference parses its own arguments
     reference.main()
 
 

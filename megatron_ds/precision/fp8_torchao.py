@@ -44,8 +44,11 @@ class TorchaoEngine(FP8Engine):
     def __init__(self, options):
         super().__init__(options)
         self.tuned = False  # whether convert() turned inductor's kernel tuning on
-        # torchao scales from each tensor's current values: delayed (Megatron-LM's default name) runs tensorwise
-        self.recipe = "rowwise" if options.recipe == "rowwise" else "tensorwise"
+
+    @property
+    def recipe(self) -> str:
+        """torchao scales from each tensor's current values: delayed (Megatron-LM's default name) runs tensorwise."""
+        return "rowwise" if self.options.recipe == "rowwise" else "tensorwise"
 
     def missing(self) -> str | None:
         try:

@@ -28,6 +28,9 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_overrides(args: argparse.Namespace) -> None:
+    """--master-addr/--master-port into the environment, where discovery reads them (`launch`, `env`, `train`)."""
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise DiscoveryError(f"--master-port: must be a TCP port (1-65535), got {args.master_port}")
     if args.master_addr:
         os.environ["MASTER_ADDR"] = args.master_addr
     if args.master_port:
@@ -64,8 +67,8 @@ def main(argv: list[str]) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command: use `entrypoint launch [options] -- CMD ...`")
-    apply_overrides(args)
     try:
+        apply_overrides(args)
         plan = bootstrap.make_plan(args.nproc_per_node, args.profile, max_restarts=args.max_restarts)
         if plan.spawn:
             return bootstrap.spawn_ranks(plan, command, strict=args.strict, grace=args.grace, label=args.label,

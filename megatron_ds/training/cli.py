@@ -20,8 +20,6 @@ def launch_plan(args):
     from megatron_ds.runtime.bootstrap import make_plan
     from megatron_ds.runtime.launch_cli import apply_overrides
 
-    if args.master_port is not None and not 0 < args.master_port < 65536:
-        raise ConfigError("--master-port", f"must be a TCP port (1-65535), got {args.master_port}")
     apply_overrides(args)
     return make_plan(args.nproc_per_node, args.profile, max_restarts=args.max_restarts)
 

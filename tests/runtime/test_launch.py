@@ -275,3 +275,10 @@ def test_in_process_rank_reexecs_itself_with_the_rank_preload():
     result = _run([PY, "-c", code], env=env)
     assert result.returncode == 0, result.stderr
     assert "PRELOAD libz.so.1 True" in result.stdout and "RESULT" not in result.stdout, result.stdout
+
+
+def test_a_master_port_out_of_range_exits_2_naming_it(capsys):
+    from megatron_ds.runtime import launch_cli
+
+    assert launch_cli.main(["--master-port", "70000", "--", "true"]) == 2
+    assert "entrypoint launch: --master-port: must be a TCP port (1-65535), got 70000" in capsys.readouterr().err
