@@ -1,18 +1,19 @@
 #!/bin/sh
-# Install megatron_ds's runtime dependencies (the [project] dependencies of pyproject.toml) before our
-# source is copied, so that editing the source does not invalidate this layer. torch and DeepSpeed are
-# constrained to what the earlier steps installed.
+# Install megatron_ds's runtime dependencies (the [project] dependencies of pyproject.toml, plus its
+# `image` extra: TensorBoard logs and safetensors for HF import/export) before our source is copied, so
+# that editing the source does not invalidate this layer. torch and DeepSpeed are constrained to what the
+# earlier steps installed; a base that already has a package (NGC's tensorboard) keeps it.
 . "$(dirname "$0")/lib.sh"
 pyproject=${1:?usage: install-deps.sh PATH/TO/pyproject.toml}
 step "install megatron_ds dependencies from $pyproject"
 "$PYTHON" - "$pyproject" > /tmp/mds-requirements.txt <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
-block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
-if not block:
-    sys.exit(f"mds: ERROR: {sys.argv[1]}: no [project] dependencies list")
-print("\n".join(re.findall(r'"([^"]+)"', block.group(1))))
+core = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
+extra = re.search(r"^image = \[(.*?)\]", text, re.S | re.M)
+if not core or not extra:
+    sys.exit(f"mds: ERROR: {sys.argv[1]}: no [project] dependencies list or no `image` extra")
+print("\n".join(re.findall(r'"([^"]+)"', core.group(1) + extra.group(1))))
 PY
 note "requirements: $(tr '\n' ' ' < /tmp/mds-requirements.txt)"
 pip_install -r /tmp/mds-requirements.txt
-rm -f /tmp/mds-requirements.txt

@@ -26,7 +26,8 @@ from megatron_ds.runtime import profiles
 
 MANIFEST_DEFAULT = "/opt/mds/patch-manifest.json"
 FLAVOURS = ("cpu", "cuda", "rocm", "msamp")
-BASE_REQUIRED = ("python", "torch", "deepspeed", "tokenizers", "megatron_ds")
+# tensorboard and safetensors: --tensorboard-dir and HF import/export (pyproject's `image` extra)
+BASE_REQUIRED = ("python", "torch", "deepspeed", "tokenizers", "tensorboard", "safetensors", "megatron_ds")
 REQUIRED = {
     "cpu": BASE_REQUIRED,
     "cuda": BASE_REQUIRED + ("cuda", "nccl"),
@@ -154,6 +155,36 @@ def _tokenizers(tokenizers) -> str:
     ids = tok.encode("hello world again").ids
     assert ids == [0, 1, 2], f"WordLevel encode gave {ids}"
     return "WordLevel encode ok"
+
+
+def _tensorboard(tensorboard) -> str:
+    """What --tensorboard-dir does: torch's SummaryWriter writes one scalar to an event file."""
+    import tempfile
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    with tempfile.TemporaryDirectory() as logdir:
+        writer = SummaryWriter(logdir)
+        writer.add_scalar("doctor", 1.0, 0)
+        writer.close()
+        events = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+        assert events and os.path.getsize(events[0]) > 0, "SummaryWriter wrote no event file"
+    return "SummaryWriter wrote an event file"
+
+
+def _safetensors(safetensors) -> str:
+    """What HF import/export does: a tensor through a .safetensors file and back."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensor = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "doctor.safetensors")
+        save_file({"w": tensor}, path)
+        assert torch.equal(load_file(path)["w"], tensor), "the tensor read back differs"
+    return "save and load round trip ok"
 
 
 def _te(te) -> str:
@@ -359,7 +390,8 @@ def run_checks(flavour: str | None) -> dict:
         import torch
 
         flavour = "rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu")
-    for name, exercise, gpu_only in (("tokenizers", _tokenizers, False), ("transformer_engine", _te, True),
+    for name, exercise, gpu_only in (("tokenizers", _tokenizers, False), ("tensorboard", _tensorboard, False),
+                                     ("safetensors", _safetensors, False), ("transformer_engine", _te, True),
                                      ("flash_attn", _flash, True), ("apex", _apex, True), ("msamp", _msamp, True),
                                      ("torchao", _torchao, False),
                                      ("triton", _triton, False), ("megatron_ds", _megatron_ds, False)):
@@ -411,7 +443,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="entrypoint doctor",
         description="Report Python, torch, CUDA/ROCm, NCCL/RCCL, GPUs, DeepSpeed, Transformer Engine, flash-attn, "
-                    "apex, MS-AMP, triton, tokenizers (version + a functional check each), the site profile and "
+                    "apex, MS-AMP, torchao, triton, tokenizers, tensorboard, safetensors (version + a functional check each), the site profile and "
                     "its network plugin, and the image's patch manifest.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--strict", action="store_true",

@@ -141,7 +141,8 @@ TRAIN = (
     "--micro-batch-size 4 --global-batch-size 8 --train-iters 20 --lr 1e-3 --lr-warmup-iters 2 "
     "--data-path /tmp/demo/stdlib_text_document --vocab-file /tmp/demo/vocab.json "
     "--merge-file /tmp/demo/merges.txt --tokenizer-type GPT2BPETokenizer --split 98,2,0 "
-    "--log-interval 1 --eval-iters 0 --metrics-file /tmp/metrics.jsonl && cat /tmp/metrics.jsonl"
+    "--log-interval 1 --eval-iters 0 --metrics-file /tmp/metrics.jsonl --tensorboard-dir /tmp/tb "
+    "&& cat /tmp/metrics.jsonl && ls -s /tmp/tb"
 )
 
 
@@ -154,6 +155,9 @@ def test_cpu_training_run_in_the_image(docker, cpu_image):
     assert max(losses) == 20, f"expected 20 logged iterations, got {sorted(losses)}"
     assert all(0 < loss < 20 for loss in losses.values())
     assert losses[20] < losses[1], f"loss did not go down: {losses[1]} -> {losses[20]}"
+    # the image carries tensorboard (pyproject's `image` extra): the event file is there and not empty
+    events = re.findall(r"^\s*(\d+) (events\.out\.tfevents\.\S+)$", out, re.M)
+    assert events and int(events[0][0]) > 0, out[-3000:]
 
 
 def test_rocm_recipe_on_the_cpu_base_says_what_it_skips(docker, cpu_image):

@@ -71,10 +71,12 @@ def test_doctor_cpu_flavour_passes_strict_and_is_fast(tmp_path):
     result, report, elapsed = _doctor("--strict", "--flavour", "cpu", MDS_PATCH_MANIFEST=str(manifest))
     assert result.returncode == 0, report["failures"]
     checks = {c["name"]: c for c in report["checks"]}
-    for name in ("python", "torch", "deepspeed", "tokenizers", "megatron_ds"):
+    for name in ("python", "torch", "deepspeed", "tokenizers", "tensorboard", "safetensors", "megatron_ds"):
         assert checks[name]["ok"] is True and checks[name]["required"], name
         assert checks[name]["version"]
     assert checks["torch"]["detail"].startswith("CPU matmul ok")
+    assert checks["tensorboard"]["detail"] == "SummaryWriter wrote an event file"
+    assert checks["safetensors"]["detail"] == "save and load round trip ok"
     assert checks["patch-manifest"]["ok"] is True and report["patch_manifest"]["patches"][0]["name"] == "msamp-fp8"
     assert checks["profile"]["version"] == "generic"
     # Budget: < 10 s on an idle 2-core machine (measured ~6-7 s); the bound here allows a loaded CI runner.
@@ -93,10 +95,12 @@ def test_doctor_strict_fails_on_the_wrong_platform_and_a_broken_manifest(tmp_pat
     fakes.mkdir()
     (fakes / "apex.py").write_text('raise ImportError("apex_C.so: undefined symbol: _ZN3c10")\n')
     (fakes / "flash_attn.py").write_text('raise OSError("libcuda.so.1: cannot open shared object file")\n')
+    # and a stack without tensorboard (--tensorboard-dir would fail): required, so strict names it
+    (fakes / "tensorboard.py").write_text('raise ModuleNotFoundError("No module named tensorboard", name="tensorboard")\n')
     result, report, _ = _doctor("--strict", "--flavour", flavour, MDS_PATCH_MANIFEST=str(manifest),
                                 PYTHONPATH=str(fakes))
     assert result.returncode == 1
-    assert missing | {"patch-manifest", "apex"} <= set(report["failures"])
+    assert missing | {"patch-manifest", "apex", "tensorboard"} <= set(report["failures"])
     assert not {"torch", "deepspeed", "tokenizers"} & set(report["failures"])
     checks = {c["name"]: c for c in report["checks"]}
     if not report["gpus"]:
