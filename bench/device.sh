@@ -1128,6 +1128,23 @@ stage_zero1once1() {  # issue 15, one GPU, one call: patch 0007 against 0001-000
   cp "$LOGS"/zero1once_*.json "$OUT"/ 2>/dev/null
 }
 
+stage_s23checks() {  # on 2 GPUs, one call: what session 22 changed, on GPUs. FP8 (torchao) under every layout against
+  # one GPU's FP8 curve (the --fp8-recipe default is now the engine's own), one GPU under --max-restarts (a supervised
+  # child, restarted after a SIGKILL), the never-waits and metrics tests; then --fp8-recipe rowwise and delayed
+  # (torchao runs tensorwise and says so) for 10 steps each
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_s23.json" t 470 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k "fp8 or max_restarts or never_waits or metrics"
+  local D=data/demo R="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256"
+  R="$R --max-position-embeddings 256 --micro-batch-size 4 --train-iters 10 --lr 1e-3 --bf16 --fp8-format hybrid"
+  R="$R --fp8-engine torchao --no-torch-compile --eval-iters 0 --log-interval 5 --tokenizer-type GPT2BPETokenizer"
+  R="$R --data-path $D/stdlib_text_document --vocab-file $D/vocab.json --merge-file $D/merges.txt --split 98,2,0"
+  for recipe in rowwise delayed; do
+    t 120 $PYTHON -m entrypoint train $R --fp8-recipe $recipe 2>&1 | grep -E "FP8|fp8|note|iteration +10/|error" | head -8
+  done
+  cp "$LOGS/gpu_tests_s23.json" "$OUT"/ 2>/dev/null
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null

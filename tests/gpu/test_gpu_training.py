@@ -341,3 +341,29 @@ def test_training_step_never_waits_for_the_gpu(demo_corpus, name, extra):
     syncs = json.loads(lines[0][len("SYNCS "):])
     REPORT.setdefault(f"step_syncs_{name}", {})["syncs"] = syncs
     assert not syncs, json.dumps(syncs, indent=1)[:6000]
+
+
+@needs(1)
+def test_one_gpu_under_max_restarts_runs_supervised_and_resumes_on_the_gpu(tmp_path, demo_corpus):
+    """Session 22 made one rank with --max-restarts a supervised child (the CPU suite checks the restart itself,
+    tests/training/test_watchdog_train.py): here the child, and the one restarted after a SIGKILL, train on the
+    GPU, and the run ends at its last iteration."""
+    from tests.training.test_watchdog_train import env_for, finish, iterations, rank_pid, train_argv, wait_for_iteration
+
+    ckpt = str(tmp_path / "ckpt")
+    argv = train_argv(demo_corpus, tmp_path, 60, "--bf16", "--save", ckpt, "--load", ckpt, "--save-interval", "10",
+                      "--max-restarts", "1")
+    at = argv.index("--nproc-per-node")
+    del argv[at:at + 2]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    wait_for_iteration(proc, tmp_path / "metrics.jsonl", 15)
+    os.kill(rank_pid(tmp_path, 0), 9)
+    stdout, stderr = finish(proc, 300)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "started as a supervised child for --max-restarts 1" in stderr, stderr[-4000:]
+    assert "restart 1/1 after exit code 137 of rank 0" in stderr, stderr[-4000:]
+    starts = [line for line in (stdout + stderr).splitlines() if "mds train: world 1 = " in line]
+    assert len(starts) == 2 and all("device cuda" in line for line in starts), starts
+    records = iterations(tmp_path / "metrics.jsonl")
+    assert records[-1]["iteration"] == 60 and all(r["mem_gib"] > 0 for r in records), records[-1]
