@@ -355,8 +355,11 @@ def test_one_gpu_under_max_restarts_runs_supervised_and_resumes_on_the_gpu(tmp_p
                       "--max-restarts", "1")
     at = argv.index("--nproc-per-node")
     del argv[at:at + 2]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    argv[:1] = [sys.executable, "-m", "entrypoint"]  # where no console script is installed (the GPU machines)
+    env = env_for(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     wait_for_iteration(proc, tmp_path / "metrics.jsonl", 15)
     os.kill(rank_pid(tmp_path, 0), 9)
     stdout, stderr = finish(proc, 300)
