@@ -1145,6 +1145,12 @@ stage_s23checks() {  # on 2 GPUs, one call: what session 22 changed, on GPUs. FP
   cp "$LOGS/gpu_tests_s23.json" "$OUT"/ 2>/dev/null
 }
 
+stage_gpurestart() {  # one GPU under --max-restarts: a supervised child, restarted on the GPU after a SIGKILL
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_restart.json" t 300 $PYTHON -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    -k max_restarts
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
