@@ -358,6 +358,7 @@ def test_one_gpu_under_max_restarts_runs_supervised_and_resumes_on_the_gpu(tmp_p
     argv[:1] = [sys.executable, "-m", "entrypoint"]  # where no console script is installed (the GPU machines)
     env = env_for(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # one GPU: one rank by default
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     wait_for_iteration(proc, tmp_path / "metrics.jsonl", 15)
