@@ -819,17 +819,34 @@ stage_ceprobe() {  # issue 15 on 2 GPUs, one short call: GPT-2.7B's sequence-par
 }
 
 stage_ctaprobe() {  # issue 15 on 2 GPUs, one call: fewer NCCL CTAs, so that a collective beside a GEMM leaves it more
-  # SMs (on H200 NCCL beside the GEMM hid 0.03 of its 0.2 ms, session 20): GPT-2.7B's gathers and scatters (80 and
-  # 160 MiB, hidden 2560) alone and beside the MLP GEMM under NCCL_MAX_CTAS and NCCL_CTA_POLICY settings; then the
-  # GPT-2.7B TP=2+SP step (micro batch 16, global batch 32) with the setting whose pair was fastest, against the default
+  # SMs (on H200 NCCL beside the GEMM hid 0.03 of its 0.2 ms, session 20)
+  nccl_settings_then_step cta "${RUN_TAG:-s21}" default NCCL_MAX_CTAS=16 NCCL_MAX_CTAS=8 NCCL_MAX_CTAS=4 \
+    NCCL_CTA_POLICY=1 NCCL_CTA_POLICY=2
+}
+
+stage_p2pmemcpy() {  # issue 15 on 2 GPUs, one call: NCCL's P2P transport with copy-engine copies (its proxy thread
+  # calls cudaMemcpyAsync for the sends) and with P2P reads off, against the default
+  nccl_settings_then_step p2p "${RUN_TAG:-s23}" default NCCL_P2P_USE_CUDA_MEMCPY=1 NCCL_P2P_READ_ENABLE=0 \
+    NCCL_P2P_READ_ENABLE=1
+}
+
+nccl_settings_then_step() {  # LABEL TAG SETTING...: GPT-2.7B's gathers and scatters (80 and 160 MiB, hidden 2560)
+  # alone and beside the MLP GEMM under each NCCL setting (bench/probe_nccl.py); then the GPT-2.7B TP=2+SP step (micro
+  # batch 16, global batch 32) with the setting whose pair beside the GEMM was fastest, against the default
   local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-2} bench/probe_nccl.py"
-  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s21} setting
-  for setting in default NCCL_MAX_CTAS=16 NCCL_MAX_CTAS=8 NCCL_MAX_CTAS=4 NCCL_CTA_POLICY=1 NCCL_CTA_POLICY=2; do
+  local label=$1 tag=$2 S="--steps 7 --warmup-steps 3" setting
+  shift 2
+  for setting in "$@"; do
     ( [ "$setting" = default ] || export "$setting"
-      t 60 $P --label "$setting" --hidden 2560 --sizes-mib 80 160 --out "$OUT/cta_probe_$tag.jsonl" )
+      export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P  # the transport each connection took, in the log
+      t 60 $P --label "$setting" --hidden 2560 --sizes-mib 80 160 --out "$OUT/${label}_probe_$tag.jsonl" \
+        > "$LOGS/${label}_probe_${setting//=/}.log" 2>&1
+      grep -v "NCCL INFO" "$LOGS/${label}_probe_${setting//=/}.log" | tail -8
+      grep "NCCL INFO" "$LOGS/${label}_probe_${setting//=/}.log" | grep -E " via |CE|memcpy|Memcpy" | sort | uniq -c \
+        | sort -rn | head -4 )
   done
   local best
-  best=$($PYTHON - "$OUT/cta_probe_$tag.jsonl" <<'PY'
+  best=$($PYTHON - "$OUT/${label}_probe_$tag.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 pairs = {}
@@ -841,7 +858,7 @@ PY
 )
   echo "[bench] fastest pair beside the GEMM: $best"
   ds_patches
-  local name="gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_cta_$tag"
+  local name="gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_${label}_$tag"
   t 240 $B $S --name "$name" -- $GPT27_TP2SP --micro-batch-size 16
   cp "bench/results/$name.json" "$OUT"/ 2>/dev/null
   if [ "$best" != default ]; then
