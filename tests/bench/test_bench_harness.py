@@ -160,8 +160,11 @@ sys.path.insert(0, sys.argv[1])
 from bench.in_process import build
 args, built = build(["--preset", "TINY", "--micro-batch-size", "2", *sys.argv[2:]], device="cpu")
 params = sum(p.numel() for p in built.engine.module.parameters())
-print("BUILT " + json.dumps({"rank": int(os.environ["RANK"]), "params": params, "tp": args.tensor_model_parallel_size,
-                             "world": args.world_size, "profile": os.environ.get("MDS_PROFILE")}), flush=True)
+# one write: the ranks share torchrun's stdout, and under PYTHONUNBUFFERED (CI) print() writes the line and its
+# newline separately, so two ranks' lines could run together
+line = json.dumps({"rank": int(os.environ["RANK"]), "params": params, "tp": args.tensor_model_parallel_size,
+                   "world": args.world_size, "profile": os.environ.get("MDS_PROFILE")})
+os.write(1, f"BUILT {line}\\n".encode())
 from megatron_ds.training.cli import leave_rank
 leave_rank(0)  # as `entrypoint train` ends a rank: gloo's threads can abort the interpreter's teardown (cli.py)
 """
