@@ -17,3 +17,4 @@ print("\n".join(re.findall(r'"([^"]+)"', core.group(1) + extra.group(1))))
 PY
 note "requirements: $(tr '\n' ' ' < /tmp/mds-requirements.txt)"
 pip_install -r /tmp/mds-requirements.txt
+rm -f /tmp/mds-requirements.txt

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -362,7 +363,7 @@ def test_one_gpu_under_max_restarts_runs_supervised_and_resumes_on_the_gpu(tmp_p
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     wait_for_iteration(proc, tmp_path / "metrics.jsonl", 15)
-    os.kill(rank_pid(tmp_path, 0), 9)
+    os.kill(rank_pid(tmp_path, 0), signal.SIGKILL)
     stdout, stderr = finish(proc, 300)
     assert proc.returncode == 0, stderr[-4000:]
     assert "started as a supervised child for --max-restarts 1" in stderr, stderr[-4000:]
