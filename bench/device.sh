@@ -1168,6 +1168,21 @@ stage_gpurestart() {  # one GPU under --max-restarts: a supervised child, restar
     -k max_restarts
 }
 
+stage_ulysses() {  # on 2 GPUs, one call: DeepSpeed-Ulysses through mds's own all-to-all pair (session 24). The GPU
+  # tests (SP=2 ZeRO-1 and 3 against the one-GPU bf16 curve, compiled against eager with and without dropout), then
+  # GPT-1.3B at SP=2 (sequence 8192, micro batch 1, global batch 8), compiled (now the default) and eager
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24}
+  local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
+  U="$U --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_ulysses_$tag.json" t 420 $PYTHON -m pytest -m gpu tests/gpu -q -rA \
+    -p no:cacheprovider -k ulysses
+  cp "$LOGS/gpu_tests_ulysses_$tag.json" "$OUT"/ 2>/dev/null
+  t 300 $B $S --name "gpt1_3b_s8192_mbs1_gbs8_z1_ulysses2_default_$tag" -- $U
+  t 240 $B $S --name "gpt1_3b_s8192_mbs1_gbs8_z1_ulysses2_eager_$tag" -- $U --no-torch-compile
+  cp bench/results/gpt1_3b_s8192_*_ulysses2_*_"$tag".json "$OUT"/ 2>/dev/null
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null

@@ -7,11 +7,12 @@ scaled_dot_product_attention, which itself picks flash / cuDNN / memory-efficien
 All take q [b, s, nq, d] and k, v [b, s, nkv, d] (grouped-query attention when nkv < nq; query
 head i uses kv head i // (nq // nkv)) and return [b, s, nq, d].
 
-``ulysses(core, group)`` runs any of them under DeepSpeed-Ulysses sequence parallelism through
-DeepSpeed's own ``DistributedAttention``: q, k, v arrive as this rank's sequence slice with all heads,
-an all-to-all turns them into the full sequence with nq/sp and nkv/sp heads, the kernel runs, and the
+``ulysses_attention(core, q, k, v, group)`` runs any of them under DeepSpeed-Ulysses sequence parallelism
+with our own all-to-all pair (parallel/mappings.py): q, k, v arrive as this rank's sequence slice with all
+heads, an all-to-all turns them into the full sequence with nq/sp and nkv/sp heads, the kernel runs, and the
 inverse all-to-all returns the slice. Contiguous head blocks keep each query head with its kv head
-as long as nkv divides by sp (checked by ``check_ulysses_heads``).
+as long as nkv divides by sp (checked by ``check_ulysses_heads``). The model needs nothing of DeepSpeed
+for it, so it runs on every torch and DeepSpeed mds supports, and compiles like the TP collectives.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from megatron_ds.parallel.mappings import heads_to_sequence, sequence_to_heads
 
 BACKENDS = ("auto", "flash2", "sdpa", "reference")
 
@@ -109,13 +112,9 @@ def check_ulysses_heads(num_query_heads: int, num_kv_heads: int, sp: int) -> Non
                              "(Ulysses gives every sequence-parallel rank whole attention heads)")
 
 
-def ulysses(core, group) -> torch.nn.Module:
-    """``core`` (q, k, v [b, s/sp, n, d] -> [b, s/sp, nq, d]) wrapped in DeepSpeed's DistributedAttention.
+def ulysses_attention(core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """``core`` on the whole sequence and this rank's heads: q, k, v [b, s/sp, n, d] -> [b, s/sp, nq, d].
 
-    Call the result as ``attn(q, k, v, 0)`` (0: the batch dim). Heads are scattered (dim 2), the
-    sequence gathered (dim 1); backward is the conjugate all-to-all, so gradients flow back to the
-    rank that owns each slice.
-    """
-    from deepspeed.sequence.layer import DistributedAttention
-
-    return DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
+    Each all-to-all's backward is the other one, so gradients flow back to the rank that owns each slice."""
+    q, k, v = (sequence_to_heads(t, group) for t in (q, k, v))
+    return heads_to_sequence(core(q, k, v), group)

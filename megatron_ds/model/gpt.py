@@ -29,7 +29,7 @@ For the training loop:
 
 DeepSpeed-Ulysses (``GPTModel(config, sp_group=...)``, TP = PP = 1): tokens and labels are this rank's
 contiguous slice [b, s/sp] of the sequence, activations [s/sp, b, h]; positions (learned and rotary)
-are those of the slice (offset sp_rank * s/sp); attention runs through ``attention.ulysses``. Hidden
+are those of the slice (offset sp_rank * s/sp); attention runs through ``attention.ulysses_attention``. Hidden
 dropout keeps this slice's rows of the full-sequence mask (the single-process mask, as under SP);
 attention dropout, on this rank's heads after the all-to-all, draws from a per-SP-rank stream. The
 per-token loss comes back for the FULL sequence [b, s] on every SP rank (an all-gather whose backward
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulysses
+from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulysses_attention
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.compiled import CompiledForward
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -123,8 +123,8 @@ class SelfAttention(nn.Module):
 
     The fused QKV weight is [q; k; v] (sizes nq*d, nkv*d, nkv*d); each of the three is split over TP
     on its own, so a rank holds nq/tp query heads and the nkv/tp kv heads they use.
-    With ``sp_group`` (Ulysses) x is this rank's sequence slice and the core runs behind DeepSpeed's
-    DistributedAttention.
+    With ``sp_group`` (Ulysses) x is this rank's sequence slice and the core runs between the all-to-alls of
+    ``ulysses_attention``.
     """
 
     def __init__(self, config: GPTConfig, layer_number: int, group, sp_group=None):
@@ -142,11 +142,9 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(h, q_size + 2 * kv_size, splits=[q_size, kv_size, kv_size],
                                         init=_init(config, layer_number, "attention.qkv"), **common)
         self.core = CoreAttention(config.attention_backend, config.attention_dropout, config.params_dtype)
-        self.sp_group = sp_group
-        self.distributed = None
-        if tp_size(sp_group) > 1:
+        self.sp_group = sp_group if tp_size(sp_group) > 1 else None
+        if self.sp_group is not None:
             check_ulysses_heads(config.num_attention_heads, config.num_key_value_heads, tp_size(sp_group))
-            self.distributed = ulysses(self._local_core, sp_group)
         self.proj = RowParallelLinear(q_size, h, init=_init(config, layer_number, "attention.proj", scaled=True),
                                       **common)
 
@@ -185,7 +183,7 @@ class SelfAttention(nn.Module):
     @property
     def _heads_group(self):
         """The ranks that split the heads: Ulysses' after its all-to-all, else TP's."""
-        return self.sp_group if self.distributed is not None else self.group
+        return self.sp_group if self.sp_group is not None else self.group
 
     def _core_on_rank_stream(self, q, k, v) -> torch.Tensor:
         """Runs eagerly inside compiled layers: see keep_rank_stream_core_eager."""
@@ -193,8 +191,8 @@ class SelfAttention(nn.Module):
             return self._core(q, k, v)
 
     def _core(self, q, k, v) -> torch.Tensor:
-        if self.distributed is not None:
-            return self.distributed(q, k, v, 0)  # all-to-all, core on nq/sp heads, all-to-all back
+        if self.sp_group is not None:
+            return ulysses_attention(self._local_core, q, k, v, self.sp_group)  # core on nq/sp heads
         return self._local_core(q, k, v)  # [b, s, nq, d]
 
     def _local_core(self, q, k, v) -> torch.Tensor:

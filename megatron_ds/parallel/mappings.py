@@ -5,7 +5,9 @@ the backward of one is the forward of its partner. With ``group=None`` or a grou
 every helper is the identity, so the same model code runs without torch.distributed.
 
 Two pairs work on the last (hidden) dimension, two on the first (sequence) dimension: activations
-use the [s, b, h] layout, so sequence parallelism splits dim 0 and each chunk is contiguous.
+use the [s, b, h] layout, so sequence parallelism splits dim 0 and each chunk is contiguous. The last pair
+is DeepSpeed-Ulysses' all-to-all on batch-first attention heads [b, s, n, d]: sequence slices in, head
+groups out, and back.
 
 The collectives are torch's functional ones (a new tensor out, then an explicit wait) wherever torch can compile
 the layer (>= 2.5), on every backend: they are what dynamo itself emits, so ``--torch-compile`` traces them as
@@ -286,3 +288,37 @@ def exchange_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], g
     others' sequence chunks and receives theirs for its own.
     """
     return _Exchange.apply(x, list(send_rows), list(recv_rows), group)
+
+
+# --- pair 5: DeepSpeed-Ulysses, attention heads [b, s, n, d] ---
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-to-all from this rank's sequence slice with every head [b, s/sp, n, d] to the whole sequence
+    with this rank's block of n/sp heads [b, s, n/sp, d]. Backward: ``heads_to_sequence``.
+
+    Rank r gets heads r*n/sp .. (r+1)*n/sp - 1, so query head i keeps its kv head i // (nq/nkv) whenever nkv
+    divides by sp."""
+    sp = tp_size(group)
+    if sp == 1:
+        return x
+    b, s, n, d = x.shape
+    if n % sp:
+        raise ValueError(f"cannot give {sp} sequence-parallel ranks whole heads of {n}")
+    blocks = x.reshape(b, s, sp, n // sp, d).permute(2, 1, 0, 3, 4)  # [sp, s, b, n/sp, d]: head block q -> rank q
+    got = exchange_rows(blocks.reshape(sp * s, b, n // sp, d), [s] * sp, [s] * sp, group)  # rank q's slice, ours
+    return got.reshape(sp, s, b, n // sp, d).permute(2, 0, 1, 3, 4).reshape(b, sp * s, n // sp, d)
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: the inverse all-to-all, [b, s, n/sp, d] (this rank's heads) to [b, s/sp, n, d] (this rank's
+    sequence slice). Backward: ``sequence_to_heads``."""
+    sp = tp_size(group)
+    if sp == 1:
+        return x
+    b, full, m, d = x.shape
+    if full % sp:
+        raise ValueError(f"cannot split a sequence of {full} over {sp} sequence-parallel ranks")
+    s = full // sp
+    blocks = x.reshape(b, sp, s, m, d).permute(1, 2, 0, 3, 4)  # [sp, s, b, m, d]: sequence slice q -> rank q
+    got = exchange_rows(blocks.reshape(sp * s, b, m, d), [s] * sp, [s] * sp, group)  # rank q's heads, our slice
+    return got.reshape(sp, s, b, m, d).permute(2, 1, 0, 3, 4).reshape(b, s, sp * m, d)

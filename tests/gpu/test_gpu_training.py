@@ -141,6 +141,8 @@ def test_use_cpu_initialization_starts_from_the_cpu_draw(tmp_path_factory, demo_
     ("zero3_dp2", ["--zero-stage", "3"]),
     ("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--torch-compile"]),
     ("zero3_dp2_compile", ["--zero-stage", "3", "--torch-compile"]),
+    ("ulysses2", ["--ds-sequence-parallel-size", "2", "--zero-stage", "1"]),
+    ("ulysses2_zero3", ["--ds-sequence-parallel-size", "2", "--zero-stage", "3"]),
 ])
 def test_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference, name, extra):
     run = run_train(tmp_path_factory, demo_corpus, name, ["--bf16", *extra], nproc=2)
@@ -167,6 +169,7 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     pytest.param("pp2_compile", ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], 2, marks=needs(2)),
     pytest.param("zero3_dp2_compile", ["--zero-stage", "3"], 2, marks=needs(2)),
     pytest.param("zero3_compile_1gpu", ["--zero-stage", "3"], 1, marks=needs(1)),
+    pytest.param("ulysses2_compile", ["--ds-sequence-parallel-size", "2", "--zero-stage", "1"], 2, marks=needs(2)),
 ])
 def test_compile_matches_eager(tmp_path_factory, demo_corpus, name, extra, nproc, dropout):
     """--torch-compile against the same layout eager, where compiling went wrong before.
@@ -174,6 +177,7 @@ def test_compile_matches_eager(tmp_path_factory, demo_corpus, name, extra, nproc
     compiled vs 6.38 eager, losses 9.4e-2 off; passes with the functional ones (session 6: within 1.7e-3).
     ZeRO-3, found on one and two H200s: first-step norm 2.53 vs 4.11 (norm, QKV and FC1 gradients zero), because
     dynamo traced DeepSpeed's memory_efficient_linear Function wrongly; off when compiling (session 7: 1 GPU passes).
+    DeepSpeed-Ulysses compiles since session 24 (mds's own all-to-all pair, functional collectives in the graph).
     --tp-comm-overlap (reorder, the default under TP; pipeline = torch's asynchronous TP over symmetric memory;
     chunked = each SP GEMM split by sequence chunk) moves or splits the TP collectives of the compiled layer: the
     same sums, so the same bounds; none keeps the plain schedule. halves splits the micro batch, and with it the

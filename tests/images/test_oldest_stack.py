@@ -252,17 +252,29 @@ def test_deepspeed_names_exist_in_0_13_1():
     assert not bad, "not in DeepSpeed 0.13.1 (guard it, or use an API 0.13.1 has):\n" + "\n".join(bad)
 
 
-def test_ulysses_is_refused_on_deepspeed_0_13_1():
-    """0.13.1's DistributedAttention.forward(query, key, value, *args) has no batch_dim_idx (0.15.0 added it), so
-    our call would hand the 0 to the attention core and scatter batch-first tensors as sequence-first. Validation
-    reads the installed signature (rules.ulysses_unavailable) and refuses it, exit 2, naming the flag."""
-    from megatron_ds.training.arguments.rules import distributed_attention_unfit
+def test_deepspeed_0_13_1_reduces_ulysses_gradients_over_our_groups():
+    """Ulysses' attention is ours (parallel/mappings.py), so the MS-AMP image runs it too; what it needs of
+    DeepSpeed 0.13.1 is that ZeRO reduces and partitions over DP x SP and sums over SP, as 0.19.8 does
+    (the CPU tests' DeepSpeed; 0.13.1 itself runs only on GPUs). Its utils/groups.py reads the SP groups from our
+    mpu only where ``hasattr(mpu, name)`` (otherwise it silently falls back to DP alone), so every such name
+    must be a method of parallel/state.DeepSpeedMPU; ZeRO-1/2 divide by DP x SP / SP; stage 3's reduce-scatter
+    path pre-divides by the whole group (what training/ulysses_zero.py's backward scale corrects); and
+    zero.Init takes the arguments ulysses_zero passes."""
+    import re
 
-    tree = ast.parse((deepspeed_old_source() / "deepspeed" / "sequence" / "layer.py").read_text())
-    attention = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DistributedAttention")
-    forward = next(n for n in attention.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
-    names = [a.arg for a in [*forward.args.posonlyargs, *forward.args.args, *forward.args.kwonlyargs]]
-    assert names[:4] == ["self", "query", "key", "value"] and forward.args.vararg is not None
-    why = distributed_attention_unfit(names, "0.13.1")
-    assert why is not None and "no batch_dim_idx" in why
-    assert distributed_attention_unfit([*names[:4], "batch_dim_idx"], "0.19.8") is None
+    from megatron_ds.parallel.state import DeepSpeedMPU
+
+    root = deepspeed_old_source() / "deepspeed"
+    groups = (root / "utils" / "groups.py").read_text()
+    read = set(re.findall(r"hasattr\(mpu, '(get_sequence_\w+)'\)", groups))
+    assert {"get_sequence_parallel_world_size", "get_sequence_data_parallel_group"} <= read, read
+    assert not [name for name in read if not callable(getattr(DeepSpeedMPU, name, None))], read
+    assert "/ float(self.sequence_parallel_size)" in (root / "runtime" / "zero" / "stage_1_and_2.py").read_text()
+    assert "reduce_scatter_coalesced(full_grads_for_rank, self.dp_process_group)" in \
+        (root / "runtime" / "zero" / "stage3.py").read_text()
+    assert "tensor_partition_flat_buffer.div_(world_sz)" in \
+        (root / "runtime" / "comm" / "coalesced_collectives.py").read_text()
+    tree = ast.parse((root / "runtime" / "zero" / "partition_parameters.py").read_text())
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Init")
+    ctor = next(n for n in init.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert {"module", "data_parallel_group", "config_dict_or_path", "mpu"} <= {a.arg for a in ctor.args.args}

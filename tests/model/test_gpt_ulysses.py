@@ -1,5 +1,5 @@
-"""GPTModel under DeepSpeed-Ulysses 2 (two real gloo processes, DeepSpeed's DistributedAttention) against one
-process, with dropout on.
+"""GPTModel under DeepSpeed-Ulysses 2 (two real gloo processes, the all-to-all pair of parallel/mappings.py)
+against one process, with dropout on, eager and with the layers compiled.
 
 Hidden dropout keeps each rank's rows of the full-sequence mask, so loss and gradients (summed over SP, as
 DeepSpeed reduces them) equal the single process's with the same seed. Attention dropout acts on each rank's
@@ -51,10 +51,8 @@ def run_case(config: GPTConfig, sp_group=None, sp_rank: int | None = None) -> di
 
 
 def ulysses_worker() -> dict:
-    import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)  # DistributedAttention's comm
     st = state.get_state()
     results = {}
     for name, kw in HIDDEN_DROPOUT.items():
@@ -102,3 +100,48 @@ def test_gpt_ulysses2_attention_dropout_draws_a_stream_per_rank(ulysses2):
     assert not torch.equal(first["core_rng"], second["core_rng"])  # this rank's heads, its own masks
     assert torch.equal(first["shared_rng_after"], second["shared_rng_after"])  # hidden dropout stays in step
     assert torch.equal(first["attention_loss"], second["attention_loss"])  # the gathered full-sequence loss
+
+
+def compiled_worker() -> dict:
+    """Each HIDDEN_DROPOUT case with its layers compiled: the result (gradients summed over SP), the all-to-alls in
+    inductor's generated code, and dynamo's graph breaks."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    st = state.get_state()
+    torch.set_num_threads(1)
+    results = {}
+    for name, kw in HIDDEN_DROPOUT.items():
+        torch._dynamo.reset()
+        counters.clear()
+        result, codes = run_and_get_code(run_case, GPTConfig(**dict(kw, torch_compile=True)), st.sp_group, st.sp_rank)
+        for grad in result["grads"].values():
+            dist.all_reduce(grad, group=st.sp_group)
+        results[name] = {**result, "all_to_alls": sum(code.count("all_to_all_single.default(") for code in codes),
+                         "graph_breaks": sum(counters["graph_break"].values())}
+    return results
+
+
+@pytest.mark.slow
+def test_compiled_ulysses2_puts_the_all_to_alls_in_the_graph_and_gives_the_eager_model():
+    """Compiled (inductor on CPU; every layer runs the one layer graph): its generated code holds the four
+    all-to-alls of the forward (q, k, v in, the output back) and the four of the backward, no graph break, and the single process's loss and summed gradients (rel 1e-4: fused
+    kernels round differently), hidden dropout included (the compiled layers draw the eager masks)."""
+    from megatron_ds.torch_support import compile_problem
+
+    if compile_problem() is not None:  # torch 2.1: --torch-compile is refused outright (test_arguments)
+        pytest.skip(compile_problem())
+    results = run_on_ranks(compiled_worker, SP, sp=SP, timeout=900)
+    for case, kw in HIDDEN_DROPOUT.items():
+        reference = run_case(GPTConfig(**kw))
+        for r, result in enumerate(results):
+            got = result[case]
+            assert got["graph_breaks"] == 0, f"{case} rank {r}: {got['graph_breaks']} graph breaks"
+            assert got["all_to_alls"] == 8, f"{case} rank {r}: {got['all_to_alls']} all-to-alls"
+            for what, actual, expected in [("loss", got["loss"], reference["loss"]),
+                                           *((f"grad of {n}", got["grads"][n], g) for n, g in reference["grads"].items())]:
+                tol = 1e-4 * expected.abs().max().item() + 1e-7
+                err = (actual - expected).abs().max().item()
+                assert err <= tol, f"{case} rank {r} {what}: max abs error {err:.3g} > {tol:.3g}"

@@ -190,7 +190,7 @@ def test_inductor_options_are_checked_before_any_rank_starts(files, monkeypatch)
 
 def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(files, monkeypatch):
     """No flag: eager on CPU (compile time dominates small runs and CI), compiled with a CUDA GPU (TP > 1 too);
-    off with one notice where the explicit flag is refused (Ulysses, Transformer Engine FP8, MS-AMP);
+    off with one notice where the explicit flag is refused (Transformer Engine FP8, MS-AMP);
     --no-torch-compile wins."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
@@ -214,8 +214,7 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert resolved("--no-torch-compile") == (False, [])
     assert resolved("--tensor-model-parallel-size", "2", world=2) == (True, [])  # functional TP collectives
     assert resolved("--zero-stage", "3") == (True, [])  # ZeRO-3 gathers whole layers (training/engine.py)
-    on, notices = resolved("--ds-sequence-parallel-size", "2", world=2)
-    assert not on and len(notices) == 1 and "--ds-sequence-parallel-size 2" in notices[0], notices
+    assert resolved("--ds-sequence-parallel-size", "2", world=2) == (True, [])  # mds's own all-to-all compiles
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
     assert "Transformer Engine" in rules.compile_off_reason(te, rules._layout(te, 1))
     msamp = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={})
@@ -365,13 +364,7 @@ def test_alcf_ulysses_size_from_sp_or_spsize(files):
     assert err.value.flag == "SP_TYPE"
     args = parse_args(base(files, "--ds-sequence-parallel-size", "4"), env={"SP_TYPE": "ds", "SP": "2"})
     assert args.ds_sequence_parallel_size == 4  # the flag wins
-    from megatron_ds.training.arguments.rules import ulysses_unavailable
-
-    if ulysses_unavailable() is not None:  # DeepSpeed 0.19.8 on torch 2.1 (make test-torch21): refused, naming why
-        with pytest.raises(ConfigError, match="--ds-sequence-parallel-size: 4: DeepSpeed-Ulysses cannot run here"):
-            validate(args, 8)
-        return
-    validate(args, 8)
+    validate(args, 8)  # mds's own all-to-all: every supported torch and DeepSpeed, torch 2.1 included
     assert args.data_parallel_size == 2 and args.gradient_accumulation_steps == 1 and args.global_batch_size == 4
 
 
@@ -380,14 +373,15 @@ def test_ulysses_rules_name_the_flag(files):
           "--ds-sequence-parallel-size", "2 does not divide --seq-length 63")
     check(files, ["--ds-sequence-parallel-size", "2", "--num-attention-heads", "8", "--num-key-value-heads", "1"], 2,
           "--ds-sequence-parallel-size", "--num-key-value-heads 1 is not divisible by --ds-sequence-parallel-size 2")
-    from megatron_ds.training.arguments.rules import ulysses_unavailable
+    from megatron_ds.torch_support import compile_problem
 
-    if ulysses_unavailable() is None:
-        check(files, ["--ds-sequence-parallel-size", "2", "--torch-compile"], 2, "--torch-compile",
-              "not with --ds-sequence-parallel-size 2 (DeepSpeed's all-to-all inside a compiled layer")
-    else:  # torch 2.1 (make test-torch21): that Ulysses cannot run at all is said first
-        check(files, ["--ds-sequence-parallel-size", "2", "--torch-compile"], 2, "--ds-sequence-parallel-size",
-              "DeepSpeed-Ulysses cannot run here")
+    compiled = parse_args(base(files, "--ds-sequence-parallel-size", "2", "--torch-compile"), env={})
+    if compile_problem():  # torch 2.1 (make test-torch21): --torch-compile itself is refused
+        with pytest.raises(ConfigError, match="needs torch >= 2.5"):
+            validate(compiled, 2)
+    else:  # the all-to-all pair compiles with the layer (tests/model/test_gpt_ulysses.py)
+        validate(compiled, 2)
+        assert compiled.torch_compile
 
 
 def test_master_address_and_port_are_torchruns_flags_on_train_too(files, capsys, monkeypatch):

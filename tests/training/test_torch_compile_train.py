@@ -3,7 +3,7 @@
 - the default on CPU is eager, and the start-up line says so;
 - a compiled run prints its compile time once (the layer graph's and the whole first step's, and where the
   kernels are cached) and trains the eager model (rel 1e-4: fused kernels round differently; dropout off),
-  also under ZeRO-3 on two ranks;
+  also under ZeRO-3, TP=2 with sequence parallelism and DeepSpeed-Ulysses on two ranks;
 - a compile failure (a broken C++ compiler first on PATH: inductor's cpp backend needs g++) falls back to the
   eager layers with one WARNING naming the cause, and trains exactly the eager losses.
 """
@@ -102,6 +102,21 @@ def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_facto
     run = compiled_run(tmp_path_factory, demo_corpus, f"compiled_tp2_overlap_{mode}", nproc=2,
                        extra=["--tensor-model-parallel-size", "2", "--sequence-parallel", *flags])
     assert f"torch.compile on (TP comm overlap: {mode})" in run["stdout"], run["stdout"][-2000:]
+    assert "WARNING" not in run["stderr"], run["stderr"][-3000:]
+    for a, b in zip(losses(run), losses(eager), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
+
+
+def test_compiled_ulysses2_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
+    """DeepSpeed-Ulysses on two gloo ranks, compiled: the all-to-all pair (torch's functional all_to_all_single)
+    sits inside the compiled layer graph, and the losses are the one-rank eager ones."""
+    from megatron_ds.torch_support import compile_problem
+
+    if compile_problem():  # torch 2.1: as above
+        pytest.skip(compile_problem())
+    run = compiled_run(tmp_path_factory, demo_corpus, "compiled_ulysses2", nproc=2,
+                       extra=["--ds-sequence-parallel-size", "2"])
+    assert "x SP 2 (Ulysses)" in run["stdout"] and "torch.compile on" in run["stdout"], run["stdout"][-2000:]
     assert "WARNING" not in run["stderr"], run["stderr"][-3000:]
     for a, b in zip(losses(run), losses(eager), strict=True):
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))

@@ -155,37 +155,6 @@ def check_ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp} with ZeRO-3 is not combined with "
                           f"zero_optimization.zero_quantized_gradients ({args.deepspeed_config}): its all-to-all "
                           "reduction spans the whole world, not the data x sequence parallel group")
-    if (why := ulysses_unavailable()) is not None:
-        raise ConfigError("--ds-sequence-parallel-size", f"{sp}: DeepSpeed-Ulysses cannot run here: {why}")
-
-
-def ulysses_unavailable() -> str | None:
-    """Why DeepSpeed's sequence-parallel attention cannot run mds's Ulysses here (None when it can): DeepSpeed
-    0.19.8's deepspeed.sequence.layer needs torch >= 2.4 (torch.library.custom_op); DeepSpeed < 0.15 (0.13.1 in
-    the MS-AMP image) has DistributedAttention without the batch_dim_idx our call passes."""
-    import deepspeed
-    import torch
-
-    try:
-        from deepspeed.sequence.layer import DistributedAttention
-    except Exception as err:  # noqa: BLE001 - any import failure means the ranks would crash at build time
-        return (f"deepspeed.sequence.layer does not import with DeepSpeed {deepspeed.__version__} and torch "
-                f"{torch.__version__} ({type(err).__name__}: {err})")
-    import inspect
-
-    return distributed_attention_unfit(inspect.signature(DistributedAttention.forward).parameters,
-                                       deepspeed.__version__)
-
-
-def distributed_attention_unfit(forward_parameters, deepspeed_version: str) -> str | None:
-    """Why a DistributedAttention whose forward takes ``forward_parameters`` (names) cannot run our call (None:
-    it can). mds calls ``attn(q, k, v, 0)`` with batch-first [b, s/sp, n, d] tensors and batch_dim_idx 0
-    (model/attention.py); before DeepSpeed 0.15 forward(query, key, value, *args) has no batch_dim_idx, hands
-    the 0 on to our attention core and its all-to-all assumes sequence-first tensors."""
-    if "batch_dim_idx" in forward_parameters:
-        return None
-    return (f"DeepSpeed {deepspeed_version}'s deepspeed.sequence.layer.DistributedAttention.forward has no "
-            "batch_dim_idx (added in DeepSpeed 0.15.0), which mds's batch-first attention needs")
 
 
 def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
@@ -440,9 +409,6 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
 
     if (why := compile_problem(dims.tp)) is not None:
         return why
-    if dims.sp > 1:
-        return (f"not with --ds-sequence-parallel-size {dims.sp} (DeepSpeed's all-to-all inside a compiled layer is "
-                "untested in mds)")
     file_zero = (getattr(args, "ds_config_file", None) or {}).get("zero_optimization") or {}  # set in validate
     if args.zero_stage == 3 and file_zero.get("memory_efficient_linear", False):
         return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
