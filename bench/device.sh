@@ -1183,6 +1183,20 @@ stage_ulysses() {  # on 2 GPUs, one call: DeepSpeed-Ulysses through mds's own al
   cp bench/results/gpt1_3b_s8192_*_ulysses2_*_"$tag".json "$OUT"/ 2>/dev/null
 }
 
+stage_ulyssesspeed() {  # after `ulysses` found the compiled SP=2 step slower than eager (session 24): the same
+  # GPT-1.3B sequence-8192 shape on one GPU (compiled and eager), and at SP=2 without dropout (compiled and eager)
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24}
+  local M="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
+  M="$M --global-batch-size 8 --zero-stage 1"
+  local U="$M --nproc-per-node 2 --ds-sequence-parallel-size 2 --hidden-dropout 0 --attention-dropout 0"
+  ds_patches
+  CUDA_VISIBLE_DEVICES=0 t 240 $B $S --name "gpt1_3b_s8192_mbs1_gbs8_z1_1gpu_default_$tag" -- $M
+  CUDA_VISIBLE_DEVICES=0 t 200 $B $S --name "gpt1_3b_s8192_mbs1_gbs8_z1_1gpu_eager_$tag" -- $M --no-torch-compile
+  t 240 $B $S --name "gpt1_3b_s8192_mbs1_gbs8_z1_ulysses2_nodrop_$tag" -- $U
+  t 200 $B $S --name "gpt1_3b_s8192_mbs1_gbs8_z1_ulysses2_nodrop_eager_$tag" -- $U --no-torch-compile
+  cp bench/results/gpt1_3b_s8192_*_"$tag".json "$OUT"/ 2>/dev/null
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
