@@ -1197,6 +1197,19 @@ stage_ulyssesspeed() {  # after `ulysses` found the compiled SP=2 step slower th
   cp bench/results/gpt1_3b_s8192_*_"$tag".json "$OUT"/ 2>/dev/null
 }
 
+stage_ulyssesprofile() {  # where the SP=2 step goes (GPT-1.3B, sequence 8192, micro batch 1): eager and compiled,
+  # dropout on (the default flags) and off; bench/profile_train.py under torchrun, each SP rank on its slice
+  local tag=${RUN_TAG:-s24} v
+  local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
+  U="$U --global-batch-size 1 --zero-stage 1 --ds-sequence-parallel-size 2"
+  ds_patches
+  for v in base compile nodrop compile+nodrop; do
+    t 150 $PYTHON -m torch.distributed.run --nproc-per-node 2 bench/profile_train.py --steps 10 --variant $v \
+      --out "$LOGS/profile_ulysses2_s8192_${v/+/_}_$tag.txt" -- $U 2>&1 | grep -E "^\[profile\]|Error|error" | cut -c1-900
+  done
+  cp "$LOGS"/profile_ulysses2_s8192_*_"$tag".* "$OUT"/ 2>/dev/null
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null

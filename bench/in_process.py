@@ -46,7 +46,7 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     state = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          "nccl" if device == "cuda" else "gloo")
+                          "nccl" if device == "cuda" else "gloo", sp=args.ds_sequence_parallel_size)
     vocab = pad_vocab_size(build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB).vocab_size,
                            args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     return args, build_engine(args, precision_from_args(args), state, vocab)

@@ -14,7 +14,7 @@ steps synchronised one by one, and the mean over the same number of steps run ba
 synchronisation, as training with --log-interval > 1 runs).
 
 Under torchrun it profiles a TP layout (every rank steps on the same batches; rank 0 writes --out; TFLOP/s and
-MFU are per GPU):
+MFU are per GPU), or DeepSpeed-Ulysses (each SP rank steps on its slice of the same sequences):
 
     torchrun --nproc-per-node 2 bench/profile_train.py --variant compile --out /tmp/tp.txt -- \\
         --preset GPT6_7B --bf16 --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel
@@ -146,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     b, s = train_args.micro_batch_size, train_args.seq_length
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, GPT2_VOCAB, (b, s + 1), generator=g).cuda() for _ in range(4)]
+    sp = train_args.ds_sequence_parallel_size
+    if sp > 1:  # Ulysses: this rank's slice of each sequence (tokens and labels alike, as training/data.py cuts them)
+        from megatron_ds.parallel.state import get_state
+
+        r = get_state().sp_rank
+        batches = [x[:, r * s // sp:(r + 1) * s // sp + 1] for x in batches]  # s/sp tokens, their s/sp labels
 
     def attention_context():
         if "cudnn" in variants:
