@@ -1197,13 +1197,28 @@ stage_ulyssesspeed() {  # after `ulysses` found the compiled SP=2 step slower th
   cp bench/results/gpt1_3b_s8192_*_"$tag".json "$OUT"/ 2>/dev/null
 }
 
+stage_ulysses32k() {  # DeepSpeed-Ulysses where it is meant to run: GPT-1.3B at sequence 32768 over SP=2 (16k tokens
+  # per rank; at 8192 a rank's micro batch is small enough that eager launches bound the step), compiled and eager,
+  # with the default flags' dropout and without
+  local S="--steps 6 --warmup-steps 2" tag=${RUN_TAG:-s24}
+  local U="--preset GPT1_3B --bf16 --seq-length 32768 --max-position-embeddings 32768 --micro-batch-size 1"
+  U="$U --global-batch-size 4 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
+  local N="--hidden-dropout 0 --attention-dropout 0"
+  ds_patches
+  t 200 $B $S --name "gpt1_3b_s32768_mbs1_gbs4_z1_ulysses2_default_$tag" -- $U
+  t 150 $B $S --name "gpt1_3b_s32768_mbs1_gbs4_z1_ulysses2_eager_$tag" -- $U --no-torch-compile
+  t 150 $B $S --name "gpt1_3b_s32768_mbs1_gbs4_z1_ulysses2_nodrop_$tag" -- $U $N
+  t 150 $B $S --name "gpt1_3b_s32768_mbs1_gbs4_z1_ulysses2_nodrop_eager_$tag" -- $U $N --no-torch-compile
+  cp bench/results/gpt1_3b_s32768_*_"$tag".json "$OUT"/ 2>/dev/null
+}
+
 stage_ulyssesprofile() {  # where the SP=2 step goes (GPT-1.3B, sequence 8192, micro batch 1): eager and compiled,
   # dropout on (the default flags) and off; bench/profile_train.py under torchrun, each SP rank on its slice
   local tag=${RUN_TAG:-s24} v
   local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
   U="$U --global-batch-size 1 --zero-stage 1 --ds-sequence-parallel-size 2"
   ds_patches
-  for v in base compile nodrop compile+nodrop; do
+  for v in ${ULYSSES_VARIANTS:-base compile nodrop compile+nodrop}; do
     t 150 $PYTHON -m torch.distributed.run --nproc-per-node 2 bench/profile_train.py --steps 10 --variant $v \
       --out "$LOGS/profile_ulysses2_s8192_${v/+/_}_$tag.txt" -- $U 2>&1 | grep -E "^\[profile\]|Error|error" | cut -c1-900
   done
