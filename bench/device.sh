@@ -1212,6 +1212,25 @@ stage_ulysses32k() {  # DeepSpeed-Ulysses where it is meant to run: GPT-1.3B at 
   cp bench/results/gpt1_3b_s32768_*_"$tag".json "$OUT"/ 2>/dev/null
 }
 
+stage_ulyssesfused() {  # q, k and v in one all-to-all (session 24) against three: GPT-1.3B SP=2 at sequence 8192,
+  # eager and compiled, dropout on, alternated A B A B. The three-all-to-all code runs from an archived tree with its
+  # own bench harness (AB_OLD=DIR: `git archive fd14be4 megatron_ds entrypoint.py bench pyproject.toml | tar -x -C
+  # DIR`), whose results are copied here
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24} old=${AB_OLD:-.cache/ab/old} i
+  local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
+  U="$U --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
+  local A="env PYTHONPATH=/tmp/site:$PWD/$old MDS_GIT_COMMIT=${AB_OLD_COMMIT:-fd14be4} $PYTHON $old/bench/bench_train.py"
+  ds_patches
+  for i in 1 2; do
+    t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_eager_${tag}_$i" -- $U --no-torch-compile
+    t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_eager_${tag}_$i" -- $U --no-torch-compile
+  done
+  t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_compiled_$tag" -- $U
+  t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_compiled_$tag" -- $U
+  cp "$old"/bench/results/*.json bench/results/ 2>/dev/null
+  cp bench/results/gpt1_3b_s8192_ulysses2_qkv*_"$tag"*.json "$OUT"/ 2>/dev/null
+}
+
 stage_ulyssesprofile() {  # where the SP=2 step goes (GPT-1.3B, sequence 8192, micro batch 1): eager and compiled,
   # dropout on (the default flags) and off; bench/profile_train.py under torchrun, each SP rank on its slice
   local tag=${RUN_TAG:-s24} v

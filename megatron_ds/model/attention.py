@@ -9,7 +9,7 @@ head i uses kv head i // (nq // nkv)) and return [b, s, nq, d].
 
 ``ulysses_attention(core, q, k, v, group)`` runs any of them under DeepSpeed-Ulysses sequence parallelism
 with our own all-to-all pair (parallel/mappings.py): q, k, v arrive as this rank's sequence slice with all
-heads, an all-to-all turns them into the full sequence with nq/sp and nkv/sp heads, the kernel runs, and the
+heads, one all-to-all turns them into the full sequence with nq/sp and nkv/sp heads, the kernel runs, and the
 inverse all-to-all returns the slice. Contiguous head blocks keep each query head with its kv head
 as long as nkv divides by sp (checked by ``check_ulysses_heads``). The model needs nothing of DeepSpeed
 for it, so it runs on every torch and DeepSpeed mds supports, and compiles like the TP collectives.
@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.parallel.mappings import heads_to_sequence, sequence_to_heads
+from megatron_ds.parallel.mappings import heads_to_sequence, sequence_to_heads, tp_size
 
 BACKENDS = ("auto", "flash2", "sdpa", "reference")
 
@@ -115,6 +115,12 @@ def check_ulysses_heads(num_query_heads: int, num_kv_heads: int, sp: int) -> Non
 def ulysses_attention(core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
     """``core`` on the whole sequence and this rank's heads: q, k, v [b, s/sp, n, d] -> [b, s/sp, nq, d].
 
+    q, k and v travel in one all-to-all (each rank's block holds its q, k and v heads side by side): a rank's
+    micro batch is small where Ulysses splits a short sequence, and there every collective's fixed cost shows.
     Each all-to-all's backward is the other one, so gradients flow back to the rank that owns each slice."""
-    q, k, v = (sequence_to_heads(t, group) for t in (q, k, v))
+    sp = tp_size(group)
+    b, s, _, d = q.shape
+    heads = [t.size(2) // sp for t in (q, k, v)]
+    blocks = torch.cat([t.reshape(b, s, sp, n, d) for t, n in zip((q, k, v), heads)], dim=3)  # [b, s, sp, ., d]
+    q, k, v = sequence_to_heads(blocks.reshape(b, s, sp * sum(heads), d), group).split(heads, dim=2)
     return heads_to_sequence(core(q, k, v), group)
