@@ -1220,15 +1220,14 @@ stage_ulyssesfused() {  # q, k and v in one all-to-all (session 24) against thre
   local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
   U="$U --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
   local A="env PYTHONPATH=/tmp/site:$PWD/$old MDS_GIT_COMMIT=${AB_OLD_COMMIT:-fd14be4} $PYTHON $old/bench/bench_train.py"
+  keep() { cp "$old"/bench/results/*.json bench/results/ 2>/dev/null; cp bench/results/gpt1_3b_s8192_ulysses2_qkv*_"$tag"*.json "$OUT"/ 2>/dev/null; }
   ds_patches
   for i in 1 2; do
-    t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_eager_${tag}_$i" -- $U --no-torch-compile
-    t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_eager_${tag}_$i" -- $U --no-torch-compile
+    t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_eager_${tag}_$i" -- $U --no-torch-compile; keep
+    t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_eager_${tag}_$i" -- $U --no-torch-compile; keep
   done
-  t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_compiled_$tag" -- $U
-  t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_compiled_$tag" -- $U
-  cp "$old"/bench/results/*.json bench/results/ 2>/dev/null
-  cp bench/results/gpt1_3b_s8192_ulysses2_qkv*_"$tag"*.json "$OUT"/ 2>/dev/null
+  t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_compiled_$tag" -- $U; keep
+  t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_compiled_$tag" -- $U; keep
 }
 
 stage_ulyssesprofile() {  # where the SP=2 step goes (GPT-1.3B, sequence 8192, micro batch 1): eager and compiled,
