@@ -1214,7 +1214,7 @@ stage_ulysses32k() {  # DeepSpeed-Ulysses where it is meant to run: GPT-1.3B at 
 
 stage_ulyssesfused() {  # q, k and v in one all-to-all (session 24) against three: GPT-1.3B SP=2 at sequence 8192,
   # eager and compiled, dropout on, alternated A B A B. The three-all-to-all code runs from an archived tree with its
-  # own bench harness (AB_OLD=DIR: `git archive fd14be4 megatron_ds entrypoint.py bench pyproject.toml | tar -x -C
+  # own bench harness (AB_OLD=DIR: `git archive fd14be4 megatron_ds entrypoint.py bench cuda/profiles pyproject.toml | tar -x -C
   # DIR`), whose results are copied here
   local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24} old=${AB_OLD:-.cache/ab/old} i
   local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
