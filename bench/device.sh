@@ -1230,6 +1230,29 @@ stage_ulyssesfused() {  # q, k and v in one all-to-all (session 24) against thre
   t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_compiled_$tag" -- $U; keep
 }
 
+stage_a2aprobe() {  # NCCL's all-to-all between two GPUs under its P2P channel settings (session 24 measured ~37 GB/s
+  # for Ulysses' 16 MiB exchanges, grouped send/receive on NCCL's default P2P channels), beside its all-gather of
+  # the same tensor; then GPT-1.3B SP=2 at sequence 8192 (default flags) under the setting with the fastest
+  # 16 MiB all-to-all, against the default
+  local P="$PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 bench/probe_nccl.py"
+  local tag=${RUN_TAG:-s25} S="--steps 7 --warmup-steps 3" setting best
+  for setting in default NCCL_MIN_P2P_NCHANNELS=8 NCCL_MIN_P2P_NCHANNELS=32 NCCL_NCHANNELS_PER_PEER=8; do
+    ( [ "$setting" = default ] || export "$setting"
+      t 60 $P --label "$setting" --hidden 2048 --sizes-mib 16 64 --all-to-all --out "$OUT/a2a_probe_$tag.jsonl" \
+        2>&1 | tail -3 )
+  done
+  best=$($PYTHON -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
+print(min((r for r in rows if r['size_mib'] == 16), key=lambda r: r['all_to_all_ms'])['label'])" \
+    "$OUT/a2a_probe_$tag.jsonl")
+  echo "[bench] fastest 16 MiB all-to-all: $best"
+  local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
+  U="$U --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
+  ds_patches
+  t 150 $B $S --name "gpt1_3b_s8192_ulysses2_default_a2a_default_$tag" -- $U
+  [ "$best" = default ] || ( export "$best"; t 150 $B $S --name "gpt1_3b_s8192_ulysses2_default_a2a_best_$tag" -- $U )
+  cp bench/results/gpt1_3b_s8192_ulysses2_default_a2a_*_"$tag".json "$OUT"/ 2>/dev/null
+}
+
 stage_ulyssesprofile() {  # where the SP=2 step goes (GPT-1.3B, sequence 8192, micro batch 1): eager and compiled,
   # dropout on (the default flags) and off; bench/profile_train.py under torchrun, each SP rank on its slice
   local tag=${RUN_TAG:-s24} v

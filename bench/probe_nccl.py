@@ -9,7 +9,8 @@ one call:
 Sizes are the gathered tensor (micro batch x sequence x hidden, bf16): GPT-6.7B at micro batch 4 and sequence
 2048 gathers 64 MiB per call. For each size it times all_gather_into_tensor and reduce_scatter_tensor on their
 own (bus bandwidth as nccl-tests counts it), then each beside the MLP's first GEMM on another stream: what the
-collective and the GEMM cost each other when they overlap.
+collective and the GEMM cost each other when they overlap. --all-to-all adds NCCL's all_to_all_single of the
+whole tensor (DeepSpeed-Ulysses' exchange), which NCCL runs as grouped sends and receives over its P2P channels.
 
 --transport nccl-registered / nccl-window allocate the tensors from NCCL's own allocator (ncclMemAlloc, the
 backend's mem_allocator) and register that pool with the communicator, as a buffer (ncclCommRegister: NCCL may
@@ -53,6 +54,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--transport", default="nccl", choices=["nccl", "nccl-registered", "nccl-window", "ce-workspace",
                                                             "ce-symmetric", "ce-push"])
+    p.add_argument("--all-to-all", action="store_true",
+                   help="also time NCCL's all_to_all_single of the whole tensor (grouped send/receive; any transport)")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -91,6 +94,12 @@ def main() -> None:
             row[f"{name}_busbw_gbs"] = size * MIB * (world - 1) / world / (ms / 1e3) / 1e9
             dist.barrier()
             row[f"{name}_with_gemm_ms"] = bench_ms(beside(fn), reps=args.iters)
+        if args.all_to_all:  # DeepSpeed-Ulysses' exchange: every rank sends size/world to each peer
+            out = torch.empty_like(full)
+            dist.barrier()
+            ms = bench_ms(lambda: dist.all_to_all_single(out, full), reps=args.iters)
+            row["all_to_all_ms"] = ms
+            row["all_to_all_busbw_gbs"] = size * MIB * (world - 1) / world / (ms / 1e3) / 1e9
         rows.append(row)
         if rank == 0:
             print("[nccl] " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
