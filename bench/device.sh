@@ -31,6 +31,9 @@ GPT67_TP2SP="$GPT67_TP2SP --tensor-model-parallel-size 2 --sequence-parallel"
 # GPT-2.7B TP=2+SP on two GPUs, global batch 32, ZeRO-1 (the micro batch is the stage's)
 GPT27_TP2SP="--preset GPT2_7B --bf16 --global-batch-size 32 --zero-stage 1 --nproc-per-node 2"
 GPT27_TP2SP="$GPT27_TP2SP --tensor-model-parallel-size 2 --sequence-parallel"
+# GPT-1.3B over DeepSpeed-Ulysses SP=2 on two GPUs at sequence 8192, micro batch 1, global batch 8, ZeRO-1
+GPT13_S8K_SP2="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
+GPT13_S8K_SP2="$GPT13_S8K_SP2 --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
 overlap_flag() { [ "$1" = default ] || echo "--tp-comm-overlap $1"; }  # a stage's mode name -> its flag
@@ -1172,8 +1175,7 @@ stage_ulysses() {  # on 2 GPUs, one call: DeepSpeed-Ulysses through mds's own al
   # tests (SP=2 ZeRO-1 and 3 against the one-GPU bf16 curve, compiled against eager with and without dropout), then
   # GPT-1.3B at SP=2 (sequence 8192, micro batch 1, global batch 8), compiled (now the default) and eager
   local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24}
-  local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
-  U="$U --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
+  local U="$GPT13_S8K_SP2"
   ds_patches
   MDS_GPU_REPORT="$LOGS/gpu_tests_ulysses_$tag.json" t 420 $PYTHON -m pytest -m gpu tests/gpu -q -rA \
     -p no:cacheprovider -k ulysses
@@ -1214,13 +1216,16 @@ stage_ulysses32k() {  # DeepSpeed-Ulysses where it is meant to run: GPT-1.3B at 
 
 stage_ulyssesfused() {  # q, k and v in one all-to-all (session 24) against three: GPT-1.3B SP=2 at sequence 8192,
   # eager and compiled, dropout on, alternated A B A B. The three-all-to-all code runs from an archived tree with its
-  # own bench harness (AB_OLD=DIR: `git archive fd14be4 megatron_ds entrypoint.py bench cuda/profiles pyproject.toml | tar -x -C
-  # DIR`), whose results are copied here
+  # own bench harness (AB_OLD=DIR: `git archive fd14be4 megatron_ds entrypoint.py bench cuda/profiles pyproject.toml |
+  # tar -x -C DIR`), whose results are copied here
   local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24} old=${AB_OLD:-.cache/ab/old} i
-  local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
-  U="$U --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
-  local A="env PYTHONPATH=/tmp/site:$PWD/$old MDS_GIT_COMMIT=${AB_OLD_COMMIT:-fd14be4} $PYTHON $old/bench/bench_train.py"
-  keep() { cp "$old"/bench/results/*.json bench/results/ 2>/dev/null; cp bench/results/gpt1_3b_s8192_ulysses2_qkv*_"$tag"*.json "$OUT"/ 2>/dev/null; }
+  local U="$GPT13_S8K_SP2"
+  local A="env PYTHONPATH=/tmp/site:$PWD/$old MDS_GIT_COMMIT=${AB_OLD_COMMIT:-fd14be4}"
+  A="$A $PYTHON $old/bench/bench_train.py"
+  keep() {  # each result as it lands: a call cut off by its limit still brings back what finished
+    cp "$old"/bench/results/*.json bench/results/ 2>/dev/null
+    cp bench/results/gpt1_3b_s8192_ulysses2_qkv*_"$tag"*.json "$OUT"/ 2>/dev/null
+  }
   ds_patches
   for i in 1 2; do
     t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_eager_${tag}_$i" -- $U --no-torch-compile; keep
@@ -1245,8 +1250,7 @@ stage_a2aprobe() {  # NCCL's all-to-all between two GPUs under its P2P channel s
 print(min((r for r in rows if r['size_mib'] == 16), key=lambda r: r['all_to_all_ms'])['label'])" \
     "$OUT/a2a_probe_$tag.jsonl")
   echo "[bench] fastest 16 MiB all-to-all: $best"
-  local U="--preset GPT1_3B --bf16 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1"
-  U="$U --global-batch-size 8 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
+  local U="$GPT13_S8K_SP2"
   ds_patches
   t 150 $B $S --name "gpt1_3b_s8192_ulysses2_default_a2a_default_$tag" -- $U
   [ "$best" = default ] || ( export "$best"; t 150 $B $S --name "gpt1_3b_s8192_ulysses2_default_a2a_best_$tag" -- $U )
@@ -1261,7 +1265,8 @@ stage_ulyssesprofile() {  # where the SP=2 step goes (GPT-1.3B, sequence 8192, m
   ds_patches
   for v in ${ULYSSES_VARIANTS:-base compile nodrop compile+nodrop}; do
     t 150 $PYTHON -m torch.distributed.run --nproc-per-node 2 bench/profile_train.py --steps 10 --variant $v \
-      --out "$LOGS/profile_ulysses2_s8192_${v/+/_}_$tag.txt" -- $U 2>&1 | grep -E "^\[profile\]|Error|error" | cut -c1-900
+      --out "$LOGS/profile_ulysses2_s8192_${v/+/_}_$tag.txt" -- $U 2>&1 | grep -E "^\[profile\]|Error|error" \
+      | cut -c1-900
   done
   cp "$LOGS"/profile_ulysses2_s8192_*_"$tag".* "$OUT"/ 2>/dev/null
 }

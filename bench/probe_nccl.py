@@ -46,6 +46,12 @@ from bench.probe_kernels import bench_ms
 MIB = 1 << 20
 
 
+def bus_bandwidth_gbs(size_mib: int, world: int, ms: float) -> float:
+    """nccl-tests' bus bandwidth of an all-gather, reduce-scatter or all-to-all of the whole tensor: each rank moves
+    (world - 1) / world of it."""
+    return size_mib * MIB * (world - 1) / world / (ms / 1e3) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--label", default="default")
@@ -91,7 +97,7 @@ def main() -> None:
             dist.barrier()
             ms = bench_ms(fn, reps=args.iters)
             row[f"{name}_ms"] = ms
-            row[f"{name}_busbw_gbs"] = size * MIB * (world - 1) / world / (ms / 1e3) / 1e9
+            row[f"{name}_busbw_gbs"] = bus_bandwidth_gbs(size, world, ms)
             dist.barrier()
             row[f"{name}_with_gemm_ms"] = bench_ms(beside(fn), reps=args.iters)
         if args.all_to_all:  # DeepSpeed-Ulysses' exchange: every rank sends size/world to each peer
@@ -99,7 +105,7 @@ def main() -> None:
             dist.barrier()
             ms = bench_ms(lambda: dist.all_to_all_single(out, full), reps=args.iters)
             row["all_to_all_ms"] = ms
-            row["all_to_all_busbw_gbs"] = size * MIB * (world - 1) / world / (ms / 1e3) / 1e9
+            row["all_to_all_busbw_gbs"] = bus_bandwidth_gbs(size, world, ms)
         rows.append(row)
         if rank == 0:
             print("[nccl] " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),

@@ -292,6 +292,12 @@ def exchange_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], g
 
 # --- pair 5: DeepSpeed-Ulysses, attention heads [b, s, n, d] ---
 
+def _exchange_blocks(blocks: torch.Tensor, group) -> torch.Tensor:
+    """blocks [sp, s, b, m, d]: block q goes to rank q; the result's block q is the one rank q sent us."""
+    sp, s = blocks.shape[:2]
+    return exchange_rows(blocks.reshape(sp * s, *blocks.shape[2:]), [s] * sp, [s] * sp, group).reshape(blocks.shape)
+
+
 def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """Forward: all-to-all from this rank's sequence slice with every head [b, s/sp, n, d] to the whole sequence
     with this rank's block of n/sp heads [b, s, n/sp, d]. Backward: ``heads_to_sequence``.
@@ -304,9 +310,8 @@ def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     b, s, n, d = x.shape
     if n % sp:
         raise ValueError(f"cannot give {sp} sequence-parallel ranks whole heads of {n}")
-    blocks = x.reshape(b, s, sp, n // sp, d).permute(2, 1, 0, 3, 4)  # [sp, s, b, n/sp, d]: head block q -> rank q
-    got = exchange_rows(blocks.reshape(sp * s, b, n // sp, d), [s] * sp, [s] * sp, group)  # rank q's slice, ours
-    return got.reshape(sp, s, b, n // sp, d).permute(2, 0, 1, 3, 4).reshape(b, sp * s, n // sp, d)
+    got = _exchange_blocks(x.reshape(b, s, sp, n // sp, d).permute(2, 1, 0, 3, 4), group)  # out: head block q
+    return got.permute(2, 0, 1, 3, 4).reshape(b, sp * s, n // sp, d)  # in: rank q's slice of our heads
 
 
 def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -319,6 +324,5 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     if full % sp:
         raise ValueError(f"cannot split a sequence of {full} over {sp} sequence-parallel ranks")
     s = full // sp
-    blocks = x.reshape(b, sp, s, m, d).permute(1, 2, 0, 3, 4)  # [sp, s, b, m, d]: sequence slice q -> rank q
-    got = exchange_rows(blocks.reshape(sp * s, b, m, d), [s] * sp, [s] * sp, group)  # rank q's heads, our slice
-    return got.reshape(sp, s, b, m, d).permute(2, 1, 0, 3, 4).reshape(b, s, sp * m, d)
+    got = _exchange_blocks(x.reshape(b, sp, s, m, d).permute(1, 2, 0, 3, 4), group)  # out: sequence slice q
+    return got.permute(2, 1, 0, 3, 4).reshape(b, s, sp * m, d)  # in: rank q's heads of our slice
