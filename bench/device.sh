@@ -1271,6 +1271,39 @@ stage_ulyssesprofile() {  # where the SP=2 step goes (GPT-1.3B, sequence 8192, m
   cp "$LOGS"/profile_ulysses2_s8192_*_"$tag".* "$OUT"/ 2>/dev/null
 }
 
+stage_gbs128mbs() {  # issue 15, one GPU (141 GB), one call: the global-batch-128 target (dropout 0) at micro batch
+  # 16 (as measured since session 5) and 32 (half the accumulation steps, GEMMs twice as tall), A B A B, beside the
+  # compiled reference
+  local tag=${RUN_TAG:-s25} i
+  local M="$GPT13 --zero-stage 1 --global-batch-size 128 --hidden-dropout 0 --attention-dropout 0"
+  ds_patches
+  OUT="$LOGS" t 200 $PYTHON .whl/reference_gpt.py --which compile --mbs 16 --steps 10 --warmup 3
+  cp "$LOGS/anchor.json" "$OUT/reference_gpt_gbs128mbs_$tag.json" 2>/dev/null
+  for i in 1 2; do
+    t 150 $B --steps 7 --warmup-steps 2 --name "gpt1_3b_s2048_mbs16_gbs128_z1_nodrop_${tag}_$i" -- $M \
+      --micro-batch-size 16
+    t 150 $B --steps 7 --warmup-steps 2 --name "gpt1_3b_s2048_mbs32_gbs128_z1_nodrop_${tag}_$i" -- $M \
+      --micro-batch-size 32
+    cp bench/results/gpt1_3b_s2048_mbs*_gbs128_z1_nodrop_"$tag"_*.json "$OUT"/ 2>/dev/null
+  done
+}
+
+stage_eagertp() {  # on 2 GPUs, one call: the eager TP layers (--no-torch-compile; what Transformer Engine FP8 and
+  # MS-AMP run) with torch's functional collectives (the default, which compiled layers need) against c10d's
+  # (MDS_TP_COLLECTIVES=inplace): session 24's profile showed ~0.9 ms of host time per eager functional
+  # collective. GPT-2.7B TP=2+SP, micro batch 8, global batch 32, A B A B
+  local tag=${RUN_TAG:-s25} i kind
+  ds_patches
+  for i in 1 2; do
+    for kind in functional inplace; do
+      MDS_TP_COLLECTIVES=$kind t 120 $B --steps 6 --warmup-steps 2 \
+        --name "gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_eager_${kind}_${tag}_$i" -- $GPT27_TP2SP --micro-batch-size 8 \
+        --no-torch-compile
+    done
+    cp bench/results/gpt2_7b_s2048_mbs8_gbs32_z1_tp2_sp_eager_*_"$tag"_*.json "$OUT"/ 2>/dev/null
+  done
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
