@@ -88,8 +88,8 @@ def environment() -> dict:
     # the switches a stage sets through the environment (MDS_INDUCTOR_OPTIONS, TORCHINDUCTOR_*, the flight
     # recorder's buffer) change what ran; where inductor keeps its kernels (torch sets that variable itself) does not
     prefixes = ("MDS_INDUCTOR", "TORCHINDUCTOR_", "MDS_FUSED", "MDS_TP_COLLECTIVES", "TORCH_FR_", "TORCH_NCCL_TRACE",
-                "NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_CTA_POLICY", "NCCL_P2P_", "NCCL_MIN_P2P_", "NCCL_NCHANNELS_PER_PEER",
-                "TORCH_NCCL_USE_TENSOR_REGISTER", "PYTORCH_CUDA_ALLOC_CONF")
+                "NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_CTA_POLICY", "NCCL_P2P_", "NCCL_MIN_P2P_",
+                "NCCL_NCHANNELS_PER_PEER", "TORCH_NCCL_USE_TENSOR_REGISTER", "PYTORCH_CUDA_ALLOC_CONF")
     switches = {k: v for k, v in os.environ.items() if k.startswith(prefixes) and k != "TORCHINDUCTOR_CACHE_DIR"}
     if switches:
         info["switches"] = switches
