@@ -1304,6 +1304,15 @@ stage_eagertp() {  # on 2 GPUs, one call: the eager TP layers (--no-torch-compil
   done
 }
 
+stage_eagerc10d() {  # on 2 GPUs: the GPU tests of what session 25 moved to c10d's collectives (eager TP, TP+SP and
+  # Ulysses layers against the one-GPU curve; compiled, still on functional collectives, against those eager runs)
+  ds_patches
+  MDS_GPU_REPORT="$LOGS/gpu_tests_eagerc10d_${RUN_TAG:-s25}.json" t ${EAGERC10D_LIMIT:-480} $PYTHON -m pytest -m gpu \
+    tests/gpu -q -rA -p no:cacheprovider \
+    -k "(tp2 or ulysses2) and not (pipeline or chunked or wgrad or halves or no_overlap or zero3 or fp8)"
+  cp "$LOGS/gpu_tests_eagerc10d_${RUN_TAG:-s25}.json" "$OUT"/ 2>/dev/null
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null

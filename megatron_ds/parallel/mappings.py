@@ -9,9 +9,11 @@ use the [s, b, h] layout, so sequence parallelism splits dim 0 and each chunk is
 is DeepSpeed-Ulysses' all-to-all on batch-first attention heads [b, s, n, d]: sequence slices in, head
 groups out, and back.
 
-The collectives are torch's functional ones (a new tensor out, then an explicit wait) wherever torch can compile
-the layer (>= 2.5), on every backend: they are what dynamo itself emits, so ``--torch-compile`` traces them as
-they are, and no autograd Function here mutates a tensor. The c10d calls write in place or into an output
+Inside a compiled graph the collectives are torch's functional ones (a new tensor out, then an explicit wait), on
+every backend: they are what dynamo itself emits, so ``--torch-compile`` traces them as they are, and no autograd
+Function here mutates a tensor. Eager layers (``--no-torch-compile``, Transformer Engine, MS-AMP) call c10d
+directly: the functional wrappers cost host time per call, and eager GPT-2.7B TP=2+SP ran 1.011-1.021x faster
+on c10d's (bench/RESULTS.md, session 25). The c10d calls write in place or into an output
 argument (``all_reduce(x)``, ``all_gather_into_tensor(out, x)``, ``all_gather(parts, x)``); dynamo rewrites them
 into in-place copies inside our Functions' forward, which torch 2.11's dynamo differentiates wrongly
 (pytorch#180642, fixed for 2.12 by #180921: the gradient goes to the wrong output, zeros arrive). That was the
@@ -19,7 +21,8 @@ compiled TP=2 run's smaller gradient on 2 x H200 (torch 2.11); torch 2.13 on CPU
 reproduces it with the c10d calls (bench/compile_tp_probe.py --cpu: compiled gradient norm 1.11 vs 1.40 eager,
 some gradients zero) and not with the functional ones. DeepSpeed#8491 is the same class of bug. Torch 2.1 keeps
 the c10d calls (it cannot compile the layer). Gloo sums 16-bit floats in fp32, as before.
-``MDS_TP_COLLECTIVES=functional|inplace`` forces one kind (inplace: the c10d calls), for tests and the probe.
+``MDS_TP_COLLECTIVES=functional|inplace`` forces one kind everywhere (inplace: the c10d calls), for tests and
+the probe.
 """
 
 from __future__ import annotations
@@ -34,8 +37,16 @@ from megatron_ds.torch_support import TP_COLLECTIVES, compile_problem
 _FORCED = os.environ.get(TP_COLLECTIVES, "")  # "", "functional" or "inplace": read once, at import
 if _FORCED not in ("", "functional", "inplace"):
     raise ValueError(f"{TP_COLLECTIVES} must be functional or inplace, got {_FORCED!r}")
-# where torch compiles the layer (>= 2.5); torch 2.1 keeps the c10d calls, which nothing traces there
-_FUNCTIONAL = _FORCED == "functional" if _FORCED else compile_problem() is None
+# torch 2.1 cannot compile the layer, so it never needs the functional collectives (and keeps the c10d calls)
+_COMPILABLE = compile_problem() is None
+
+
+def _functional() -> bool:
+    """Whether this call takes torch's functional collectives: under dynamo's trace (where torch compiles), else
+    c10d's; dynamo reads ``is_compiling()`` as a constant, so a compiled graph holds only the functional branch."""
+    if _FORCED:
+        return _FORCED == "functional"
+    return _COMPILABLE and torch.compiler.is_compiling()
 
 
 def tp_size(group) -> int:
@@ -69,7 +80,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _gloo_16bit(x, group):
         # gloo before torch 2.2 cannot sum 16-bit floats ("Invalid scalar type"): sum in fp32, round once
         return _all_reduce(x.float(), group).to(x.dtype)
-    if _FUNCTIONAL:
+    if _functional():
         from torch.distributed._functional_collectives import all_reduce
 
         return _waited(all_reduce(x.contiguous(), "sum", group))
@@ -88,7 +99,7 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = tp_size(group)
     x = x.contiguous()
-    if _FUNCTIONAL:
+    if _functional():
         import torch.distributed._functional_collectives as fc
 
         gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor  # the newer name where torch has it
@@ -110,7 +121,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = tp_size(group)
     if x.size(dim) % n:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
-    if dim == 0 and _FUNCTIONAL and not _gloo_16bit(x, group):
+    if dim == 0 and _functional() and not _gloo_16bit(x, group):
         import torch.distributed._functional_collectives as fc
 
         reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor  # likewise
@@ -131,7 +142,7 @@ def _all_to_all(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], gro
     x = x.contiguous()
     if _gloo_16bit(x, group):  # as in _all_gather: gloo moves the bytes of a 16-bit float exactly
         return _all_to_all(x.view(torch.uint8), send_rows, recv_rows, group).view(x.dtype)
-    if _FUNCTIONAL:
+    if _functional():
         from torch.distributed._functional_collectives import all_to_all_single
 
         return _waited(all_to_all_single(x, recv_rows, send_rows, group))
