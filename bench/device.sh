@@ -1313,6 +1313,20 @@ stage_eagerc10d() {  # on 2 GPUs: the GPU tests of what session 25 moved to c10d
   cp "$LOGS/gpu_tests_eagerc10d_${RUN_TAG:-s25}.json" "$OUT"/ 2>/dev/null
 }
 
+stage_eagerulysses() {  # on 2 GPUs, one call: eager Ulysses (GPT-1.3B SP=2, sequence 8192, --no-torch-compile) on
+  # c10d's all-to-all (the eager default since session 25) against the functional one, A B A B
+  local tag=${RUN_TAG:-s25} i kind
+  ds_patches
+  for i in 1 2; do
+    for kind in functional c10d; do
+      ( [ $kind = c10d ] || export MDS_TP_COLLECTIVES=functional
+        t 90 $B --steps 7 --warmup-steps 3 --name "gpt1_3b_s8192_ulysses2_eager_${kind}_${tag}_$i" -- \
+          $GPT13_S8K_SP2 --no-torch-compile )
+      cp bench/results/gpt1_3b_s8192_ulysses2_eager_*_"$tag"_*.json "$OUT"/ 2>/dev/null
+    done
+  done
+}
+
 collect() {  # after every stage, so that a call cut off later still returns what finished
   $PYTHON bench/report.py
   tar czf "$OUT/results.tgz" bench/results bench/RESULTS.md "$LOGS" "$MDS_BENCH_WORK"/*/*.log 2>/dev/null
