@@ -37,8 +37,8 @@ from megatron_ds.torch_support import TP_COLLECTIVES, compile_problem
 _FORCED = os.environ.get(TP_COLLECTIVES, "")  # "", "functional" or "inplace": read once, at import
 if _FORCED not in ("", "functional", "inplace"):
     raise ValueError(f"{TP_COLLECTIVES} must be functional or inplace, got {_FORCED!r}")
-# torch 2.1 cannot compile the layer, so it never needs the functional collectives (and keeps the c10d calls)
-_COMPILABLE = compile_problem() is None
+# torch 2.1 cannot compile the layer (nor has torch.compiler.is_compiling), so it keeps the c10d calls
+_IS_COMPILING = getattr(torch.compiler, "is_compiling", None) if compile_problem() is None else None
 
 
 def _functional() -> bool:
@@ -46,7 +46,7 @@ def _functional() -> bool:
     c10d's; dynamo reads ``is_compiling()`` as a constant, so a compiled graph holds only the functional branch."""
     if _FORCED:
         return _FORCED == "functional"
-    return _COMPILABLE and torch.compiler.is_compiling()
+    return _IS_COMPILING is not None and _IS_COMPILING()
 
 
 def tp_size(group) -> int:
