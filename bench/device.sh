@@ -1289,9 +1289,9 @@ stage_gbs128mbs() {  # issue 15, one GPU (141 GB), one call: the global-batch-12
 }
 
 stage_eagertp() {  # on 2 GPUs, one call: the eager TP layers (--no-torch-compile; what Transformer Engine FP8 and
-  # MS-AMP run) with torch's functional collectives (the default, which compiled layers need) against c10d's
-  # (MDS_TP_COLLECTIVES=inplace): session 24's profile showed ~0.9 ms of host time per eager functional
-  # collective. GPT-2.7B TP=2+SP, micro batch 8, global batch 32, A B A B
+  # MS-AMP run) with torch's functional collectives (every layer's before session 25; compiled layers need them)
+  # against c10d's (MDS_TP_COLLECTIVES=inplace; the eager default since): session 24's profile showed ~0.9 ms of
+  # host time per eager functional collective. GPT-2.7B TP=2+SP, micro batch 8, global batch 32, A B A B
   local tag=${RUN_TAG:-s25} i kind
   ds_patches
   for i in 1 2; do
