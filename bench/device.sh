@@ -728,6 +728,19 @@ stage_ppsplit16() {  # issue 15 on 2 x H200, one short call (the budget's last m
   cp bench/results/gpt1_3b_s2048_mbs16_gbs128_z1_pp2_split13_11_$tag.json "$OUT"/ 2>/dev/null
 }
 
+stage_dppp16() {  # issue 15 on 2 x H200, one call: the DP and PP targets again at HEAD, micro batch 16 throughout:
+  # one GPU, DP=2 (per GPU >= 0.95x one GPU) and PP=2 at global batch 128 (>= 0.88x; the default 13 | 11 split)
+  local S="--steps 12 --warmup-steps 4" tag=${RUN_TAG:-s26} M="$GPT13 --micro-batch-size 16 --zero-stage 1"
+  ds_patches
+  t 150 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_$tag" -- $M --nproc-per-node 1
+  cp bench/results/gpt1_3b_s2048_mbs16_z1_dp1_$tag.json "$OUT"/ 2>/dev/null
+  t 170 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_$tag" -- $M --nproc-per-node 2
+  cp bench/results/gpt1_3b_s2048_mbs16_z1_dp2_$tag.json "$OUT"/ 2>/dev/null
+  t 200 $B $S --name "gpt1_3b_s2048_mbs16_gbs128_z1_pp2_$tag" -- $M --global-batch-size 128 --nproc-per-node 2 \
+    --pipeline-model-parallel-size 2
+  cp bench/results/gpt1_3b_s2048_mbs16_gbs128_z1_pp2_$tag.json "$OUT"/ 2>/dev/null
+}
+
 stage_dppp80() {  # as dppp where one 80 GB card cannot hold micro batch 16 with the default flags (H100):
   # micro batch 8 for one GPU and DP=2; then GPT-6.7B TP=2+SP without an overlap lever, given the time its cold
   # start needs
@@ -1214,25 +1227,41 @@ stage_ulysses32k() {  # DeepSpeed-Ulysses where it is meant to run: GPT-1.3B at 
   cp bench/results/gpt1_3b_s32768_*_"$tag".json "$OUT"/ 2>/dev/null
 }
 
+ab_old_bench() {  # the bench harness of an archived tree (AB_OLD=DIR: `git archive COMMIT megatron_ds entrypoint.py
+  # bench cuda/profiles pyproject.toml | tar -x -C DIR`), run as $B runs ours; its results are copied by keep_qkv_ab
+  echo "env PYTHONPATH=/tmp/site:$PWD/${AB_OLD:-.cache/ab/old} MDS_GIT_COMMIT=${AB_OLD_COMMIT:-fd14be4}" \
+    "$PYTHON ${AB_OLD:-.cache/ab/old}/bench/bench_train.py"
+}
+
+keep_qkv_ab() {  # $1: the tag. Each result as it lands: a call cut off by its limit still brings back what finished
+  cp "${AB_OLD:-.cache/ab/old}"/bench/results/*.json bench/results/ 2>/dev/null
+  cp bench/results/gpt1_3b_s8192_ulysses2_qkv*_"$1"*.json "$OUT"/ 2>/dev/null
+}
+
 stage_ulyssesfused() {  # q, k and v in one all-to-all (session 24) against three: GPT-1.3B SP=2 at sequence 8192,
-  # eager and compiled, dropout on, alternated A B A B. The three-all-to-all code runs from an archived tree with its
-  # own bench harness (AB_OLD=DIR: `git archive fd14be4 megatron_ds entrypoint.py bench cuda/profiles pyproject.toml |
-  # tar -x -C DIR`), whose results are copied here
-  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24} old=${AB_OLD:-.cache/ab/old} i
+  # eager and compiled, dropout on, alternated A B A B. The three-all-to-all code runs from an archived tree of
+  # fd14be4 (ab_old_bench)
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s24} A i
   local U="$GPT13_S8K_SP2"
-  local A="env PYTHONPATH=/tmp/site:$PWD/$old MDS_GIT_COMMIT=${AB_OLD_COMMIT:-fd14be4}"
-  A="$A $PYTHON $old/bench/bench_train.py"
-  keep() {  # each result as it lands: a call cut off by its limit still brings back what finished
-    cp "$old"/bench/results/*.json bench/results/ 2>/dev/null
-    cp bench/results/gpt1_3b_s8192_ulysses2_qkv*_"$tag"*.json "$OUT"/ 2>/dev/null
-  }
+  A=$(ab_old_bench)
   ds_patches
   for i in 1 2; do
-    t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_eager_${tag}_$i" -- $U --no-torch-compile; keep
-    t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_eager_${tag}_$i" -- $U --no-torch-compile; keep
+    t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_eager_${tag}_$i" -- $U --no-torch-compile; keep_qkv_ab "$tag"
+    t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_eager_${tag}_$i" -- $U --no-torch-compile; keep_qkv_ab "$tag"
   done
-  t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_compiled_$tag" -- $U; keep
-  t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_compiled_$tag" -- $U; keep
+  t 150 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_compiled_$tag" -- $U; keep_qkv_ab "$tag"
+  t 150 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_compiled_$tag" -- $U; keep_qkv_ab "$tag"
+}
+
+stage_ulyssesfusedcompiled() {  # ulyssesfused's compiled pair, which session 24 ran out of time for: the default
+  # flags (compiled, dropout 0.1), three all-to-alls in (archived fd14be4) against one, A B A B
+  local S="--steps 7 --warmup-steps 3" tag=${RUN_TAG:-s26} A i
+  A=$(ab_old_bench)
+  ds_patches
+  for i in 1 2; do
+    t 130 $A $S --name "gpt1_3b_s8192_ulysses2_qkv3_compiled_${tag}_$i" -- $GPT13_S8K_SP2; keep_qkv_ab "$tag"
+    t 130 $B $S --name "gpt1_3b_s8192_ulysses2_qkv1_compiled_${tag}_$i" -- $GPT13_S8K_SP2; keep_qkv_ab "$tag"
+  done
 }
 
 stage_a2aprobe() {  # NCCL's all-to-all between two GPUs under its P2P channel settings (session 24 measured ~37 GB/s
