@@ -741,6 +741,24 @@ stage_dppp16() {  # issue 15 on 2 x H200, one call: the DP and PP targets again 
   cp bench/results/gpt1_3b_s2048_mbs16_gbs128_z1_pp2_$tag.json "$OUT"/ 2>/dev/null
 }
 
+stage_dpoverlap() {  # issue 15 on 2 GPUs, one call: DP=2 (GPT-1.3B, micro batch 16, ZeRO-1) with DeepSpeed's
+  # overlap_comm (gradients reduced on a side stream during backward, in buckets of $DP_BUCKET elements) against
+  # the default (reduced after backward on the compute stream), A B A B between two one-GPU runs
+  local S="--steps 10 --warmup-steps 3" tag=${RUN_TAG:-s26} M="$GPT13 --micro-batch-size 16 --zero-stage 1" i
+  local cfg="$LOGS/ds_overlap_comm.json"
+  echo "{\"zero_optimization\": {\"stage\": 1, \"overlap_comm\": true, \"reduce_bucket_size\": ${DP_BUCKET:-50000000}}}" \
+    > "$cfg"
+  ds_patches
+  keep() { cp bench/results/gpt1_3b_s2048_mbs16_z1_dp*_"$tag"*.json "$OUT"/ 2>/dev/null; }
+  t 120 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_ovl_${tag}_1" -- $M --nproc-per-node 1; keep
+  for i in 1 2; do
+    t 120 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_default_${tag}_$i" -- $M --nproc-per-node 2; keep
+    t 120 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_overlap_comm_${tag}_$i" -- $M --nproc-per-node 2 \
+      --deepspeed_config "$cfg"; keep
+  done
+  t 120 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_ovl_${tag}_2" -- $M --nproc-per-node 1; keep
+}
+
 stage_dppp80() {  # as dppp where one 80 GB card cannot hold micro batch 16 with the default flags (H100):
   # micro batch 8 for one GPU and DP=2; then GPT-6.7B TP=2+SP without an overlap lever, given the time its cold
   # start needs
