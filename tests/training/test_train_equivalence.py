@@ -156,6 +156,25 @@ def test_zero_stages_match_zero0(tmp_path_factory, demo_corpus, gpt_baseline, st
     assert_same_losses(run, gpt_baseline)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_users_overlap_comm_config_trains_the_default_curve(tmp_path_factory, demo_corpus, stage):
+    """Megatron-DeepSpeed configs often set overlap_comm, contiguous_gradients and a reduce bucket size; our
+    DeepSpeed patches step bf16 ZeRO-1/2 from the flat gradient (0004) and skip bucket copies only where
+    overlap_comm is off (0007). With those keys from a user's file, DP=2 with two micro-batches per step must
+    train exactly the default's curve (the same reductions, bucketed differently: bitwise on CPU)."""
+    config = tmp_path_factory.mktemp(f"ds_overlap_zero{stage}") / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": stage, "overlap_comm": True,
+                                                        "contiguous_gradients": True, "reduce_bucket_size": 20000}}))
+    flags = ["--bf16", "--zero-stage", str(stage), "--global-batch-size", "8"]
+    default = run_train(tmp_path_factory, demo_corpus, f"gpt_bf16_dp2_zero{stage}", GPT, flags, nproc=2)
+    overlap = run_train(tmp_path_factory, demo_corpus, f"gpt_bf16_dp2_zero{stage}_overlap", GPT,
+                        [*flags, "--deepspeed_config", str(config)], nproc=2)
+    assert f"DP 2, ZeRO-{stage}" in overlap["stdout"]
+    assert [(r["lm_loss"], r["grad_norm"]) for r in overlap["train"]] == \
+        [(r["lm_loss"], r["grad_norm"]) for r in default["train"]]
+    assert default["train"][-1]["lm_loss"] < default["train"][0]["lm_loss"]
+
+
 def test_llama_tp2_matches_tp1(tmp_path_factory, demo_corpus, llama_baseline):
     run = run_train(tmp_path_factory, demo_corpus, "llama_tp2", LLAMA, ["--tensor-model-parallel-size", "2"], nproc=2)
     assert "4 heads (2 kv)" in run["stdout"]
