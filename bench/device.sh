@@ -746,8 +746,8 @@ stage_dpoverlap() {  # issue 15 on 2 GPUs, one call: DP=2 (GPT-1.3B, micro batch
   # the default (reduced after backward on the compute stream), A B A B between two one-GPU runs
   local S="--steps 10 --warmup-steps 3" tag=${RUN_TAG:-s26} M="$GPT13 --micro-batch-size 16 --zero-stage 1" i
   local cfg="$LOGS/ds_overlap_comm.json"
-  echo "{\"zero_optimization\": {\"stage\": 1, \"overlap_comm\": true, \"reduce_bucket_size\": ${DP_BUCKET:-50000000}}}" \
-    > "$cfg"
+  printf '{"zero_optimization": {"stage": 1, "overlap_comm": true, "reduce_bucket_size": %s}}\n' \
+    "${DP_BUCKET:-50000000}" > "$cfg"
   ds_patches
   keep() { cp bench/results/gpt1_3b_s2048_mbs16_z1_dp*_"$tag"*.json "$OUT"/ 2>/dev/null; }
   t 120 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_ovl_${tag}_1" -- $M --nproc-per-node 1; keep

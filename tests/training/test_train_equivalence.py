@@ -165,6 +165,7 @@ def test_a_users_overlap_comm_config_trains_the_default_curve(tmp_path_factory, 
     config = tmp_path_factory.mktemp(f"ds_overlap_zero{stage}") / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": stage, "overlap_comm": True,
                                                         "contiguous_gradients": True, "reduce_bucket_size": 20000}}))
+    # global batch 8 (after run_train's 4, so it wins): micro batch 2 x DP 2 x two accumulation steps
     flags = ["--bf16", "--zero-stage", str(stage), "--global-batch-size", "8"]
     default = run_train(tmp_path_factory, demo_corpus, f"gpt_bf16_dp2_zero{stage}", GPT, flags, nproc=2)
     overlap = run_train(tmp_path_factory, demo_corpus, f"gpt_bf16_dp2_zero{stage}_overlap", GPT,
