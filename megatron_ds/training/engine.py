@@ -88,6 +88,12 @@ def pipeline_module(config: GPTConfig, state: ParallelState, last_stage_layers: 
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=bounds[stage], stop=bounds[stage + 1])
 
+        def _synchronize_tied_weights(self):
+            # An in-place broadcast of the tied embedding/head weight (at build and after a load), not part of any
+            # graph: with grad mode on torch warns that c10d::broadcast_ has no autograd rule.
+            with torch.no_grad():
+                super()._synchronize_tied_weights()
+
     module = SplitPipelineModule(layers=layers, loss_fn=loss_fn, topology=topology, activation_checkpoint_interval=0)
     module.stage_layers = split
     # Recompute counts layers within a stage (Megatron's block method), known once DeepSpeed has partitioned.
