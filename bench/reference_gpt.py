@@ -26,7 +26,6 @@ _PROCESS_START = time.perf_counter()  # before torch's import: start-up includes
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -107,7 +106,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_variant(args: argparse.Namespace, variant: str, device: torch.device) -> dict:
-    """Build, train `warmup + steps` steps, and measure the last `steps`. Returns the run's summary row."""
+    """Build, train `warmup + steps` steps, and time the last `steps` together. Returns the run's summary row."""
     built_at = time.perf_counter()
     torch.manual_seed(args.seed)
     if device.type == "cuda":
@@ -132,24 +131,28 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device) ->
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times, loss = [], None
-    for i in range(args.warmup + args.steps):
+    warmup_times = []  # each warm-up step alone; the first includes compiling
+    for _ in range(args.warmup):
         start = time.perf_counter()
-        loss = step()
+        step()
         _sync(device)
-        times.append(time.perf_counter() - start)
-        if i == 0:
+        warmup_times.append(time.perf_counter() - start)
+        if len(warmup_times) == 1:
             first_step_done = time.perf_counter()
-    measured = times[args.warmup:]
-    step_s = statistics.median(measured)
+    start = time.perf_counter()  # the measured steps as one block: no host wait between them, as in training
+    for _ in range(args.steps):
+        loss = step()
+    _sync(device)
+    step_s = (time.perf_counter() - start) / args.steps
     tokens_per_s = args.mbs * args.seq / step_s
     fpt = megatron_flops_per_token(args.layers, args.hidden, args.seq, args.vocab)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    row = {"variant": variant, "params": params, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tokens_per_s * fpt / 1e12,
-           "mfu": tokens_per_s * fpt / peak if peak else None, "step_time_s": step_s, "mem_gib": mem,
-           "lm_loss": float(loss.detach()), "flops_per_token": fpt, "first_step_s": first_step_done - built_at,
-           "start_to_first_step_s": first_step_done - _PROCESS_START, "step_times_s": times}
+    row = {"variant": variant, "params": params, "tokens_per_s": tokens_per_s,
+           "tflops_per_gpu": tokens_per_s * fpt / 1e12, "mfu": tokens_per_s * fpt / peak if peak else None,
+           "step_time_s": step_s, "mem_gib": mem, "lm_loss": float(loss.detach()), "flops_per_token": fpt,
+           "first_step_s": first_step_done - built_at, "start_to_first_step_s": first_step_done - _PROCESS_START,
+           "warmup_step_times_s": warmup_times}
     del forward, model, optimizer
     return row
 
@@ -165,7 +168,7 @@ def record(args: argparse.Namespace, row: dict) -> dict:
     return {"kind": "reference_gpt", "status": "ok", "command": [sys.executable, *sys.argv], "config": config,
             "summary": summary, "environment": environment(),
             **{k: row[k] for k in ("params", "flops_per_token", "first_step_s", "start_to_first_step_s",
-                                   "step_times_s")}}
+                                   "warmup_step_times_s")}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -176,8 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--mbs", type=int, default=16, help="micro batch (one optimizer step per micro batch)")
-    p.add_argument("--steps", type=int, default=10, help="measured steps (the median is reported)")
-    p.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (compiling included)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps, timed together (their mean is reported)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (>= 1: compiling included)")
     p.add_argument("--which", default="compile", help=f"comma-separated variants of {', '.join(VARIANTS)}")
     p.add_argument("--dropout", type=float, default=0.0, help="Megatron's hidden and attention dropout (0.1 there)")
     p.add_argument("--sdpa", default="default", choices=("default", "cudnn", "flash", "efficient", "math"))
@@ -190,8 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.which) - set(VARIANTS))
     if unknown:
         p.error(f"--which: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (the first warm-up step is the start-up measured)")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     return args
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                          if k != "step_times_s"}), flush=True)
+                          if k != "warmup_step_times_s"}), flush=True)
         if args.name:
             name = args.name if len(args.which) == 1 else f"{args.name}__{variant}"
             print(f"reference_gpt: wrote {write_record(record(args, row), args.results_dir, name)}", flush=True)

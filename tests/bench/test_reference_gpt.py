@@ -60,8 +60,8 @@ def test_a_cpu_run_counts_flops_as_the_harness_does_and_is_recorded(tmp_path):
     assert summary["tflops_per_gpu"] == pytest.approx(summary["tokens_per_s"] * fpt / 1e12)
     assert summary["tokens_per_s"] == pytest.approx(2 * 32 / summary["step_time_s"])
     assert summary["mfu"] is None and summary["mem_gib"] is None  # no peak or device memory on a CPU
-    assert summary["steps_measured"] == 2 and len(record["step_times_s"]) == 3
-    assert 0 < record["first_step_s"] < record["start_to_first_step_s"]
+    assert summary["steps_measured"] == 2 and len(record["warmup_step_times_s"]) == 1
+    assert 0 < record["warmup_step_times_s"][0] < record["first_step_s"] < record["start_to_first_step_s"]
     assert record["kind"] == "reference_gpt" and record["environment"]["gpu"] == "cpu"
     assert record["config"]["hidden_dropout"] == record["config"]["attention_dropout"] == 0.1
     assert "--dropout" in record["command"]
