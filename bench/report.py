@@ -1,4 +1,4 @@
-"""Regenerate the tables of bench/RESULTS.md from bench/results/*.json.
+"""Regenerate the generated block of bench/RESULTS.md (every record in bench/results) from bench/results/*.json.
 
 Only the text between the `results:begin` and `results:end` markers is rewritten; the notes around it are
 written by hand. `python bench/report.py` refreshes it.
