@@ -8,9 +8,9 @@ can be read against the same math; without it (the default) the reference comput
 
 Throughput is counted as bench/bench_train.py counts ours: Megatron's model FLOPs per token
 (bench.common.megatron_flops_per_token) over the card's dense bf16 peak (bench.common.peak_flops; MDS_PEAK_TFLOPS
-overrides). Each variant prints one JSON line (tokens/s, TFLOP/s, MFU, step time, peak memory, the first step's
-time, and from process start to the end of the first step) and, with --name, writes bench/results/NAME.json
-(NAME__VARIANT.json when --which names several).
+overrides). Each variant prints one JSON line (tokens/s, TFLOP/s, MFU, step time, peak memory, the time to build
+the model and run its first step, and from process start to the end of that step) and, with --name, writes
+bench/results/NAME.json (NAME__VARIANT.json when --which names several).
 
     python bench/reference_gpt.py --which compile --mbs 16 --name reference_gpt1_3b     # GPT-1.3B shape
     python bench/reference_gpt.py --which compile --mbs 16 --dropout 0.1                 # with Megatron's dropout
@@ -26,12 +26,14 @@ _PROCESS_START = time.perf_counter()  # before torch's import: start-up includes
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -154,6 +156,8 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device) ->
            "first_step_s": first_step_done - built_at, "start_to_first_step_s": first_step_done - _PROCESS_START,
            "warmup_step_times_s": warmup_times}
     del forward, model, optimizer
+    if variant.startswith("compile"):
+        torch._dynamo.reset()  # the next variant compiles its own model from scratch
     return row
 
 
@@ -210,10 +214,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "math": "MATH"}
     rows = []
     for variant in args.which:
-        from contextlib import nullcontext
-
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         backend = nullcontext() if args.sdpa == "default" else sdpa_kernel(getattr(SDPBackend, backends[args.sdpa]))
         try:
             with backend:
