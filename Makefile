@@ -36,11 +36,12 @@ test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=.
 test-system: ## install the system packages the tests use (Slurm, MPI, shellcheck, Docker; root + apt) when missing
 	@bash scripts/setup-test-system.sh
 
-# GPU benchmarks (bench/device.sh lists the stages: headline single1 single2 longseq scaling big gputests
-# mfu levers headline2 headline3 gpu1).
-BENCH_STAGES ?= headline
+# GPU benchmarks; bench/device.sh has the stages, bench/RESULTS.md the table each one reproduces:
+# one_gpu_reference one_gpu_gbs128 one_gpu_hf dp2 pp2 tp2_sp_gpt67 tp2_sp_gpt27 ulysses ulysses_32k fp8 fp8_loss
+# startup gpu_tests compile_faults cpu_tools
+BENCH_STAGES ?= one_gpu_reference
 .PHONY: bench
-bench: $(READY) ## GPU benchmark stages (BENCH_STAGES=headline by default); results in bench/results
+bench: $(READY) ## GPU benchmark stages (BENCH_STAGES=one_gpu_reference by default); results in bench/results
 	PYTHON=$(PY) bash bench/device.sh $(BENCH_STAGES)
 
 # ---- images: pins come from cuda/versions and rocm/versions (one --build-arg per line); every target

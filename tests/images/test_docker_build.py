@@ -89,7 +89,7 @@ def test_editing_docs_or_benchmarks_rebuilds_nothing(docker, cpu_image, tmp_path
         or (folder == str(ROOT) and n in local)])
     (tree / "README.md").write_text((tree / "README.md").read_text() + "\nan edit that no image needs\n")
     (tree / "bench" / "RESULTS.md").write_text((tree / "bench" / "RESULTS.md").read_text() + "\na new result\n")
-    (tree / "bench" / "logs" / "new-run.log").write_text("iteration 1 lm loss 10.9\n")
+    (tree / "bench" / "results" / "new-run.json").write_text('{"kind": "mds_train"}\n')
     result = subprocess.run(["make", "--no-print-directory", "image-cpu", "IMAGE_CPU=mds:cache-test",
                              f"DOCKER={docker}"], cwd=tree, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     log = result.stdout + result.stderr
