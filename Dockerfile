@@ -19,7 +19,8 @@ ARG DEEPSPEED_VERSION=0.19.8
 ARG TORCH_CUDA_ARCH_LIST=8.0;9.0
 ARG DS_BUILD_OPS_LIST=FUSED_ADAM,FUSED_LAMB,CPU_ADAM,UTILS
 ARG MDS_VERSION=0.1.0
-ARG MDS_SOURCE=https://github.com/mds-project/mds
+# where the source came from (the image's source label): make passes the git remote's URL
+ARG MDS_SOURCE=local
 ARG PATCH_TARGETS=deepspeed
 ARG PIN_CHECK=warn
 # the flavour doctor checks: make image-cpu builds this recipe as a cpu image

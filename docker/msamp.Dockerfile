@@ -21,7 +21,8 @@ ARG MSAMP_MSCCL_COMMIT=605e37114745279853793e5dece24a2083dfedcc
 ARG MSAMP_TORCH_CUDA_ARCH_LIST=9.0
 ARG DS_BUILD_OPS_LIST=FUSED_ADAM,FUSED_LAMB,CPU_ADAM,UTILS
 ARG MDS_VERSION=0.1.0
-ARG MDS_SOURCE=https://github.com/mds-project/mds
+# where the source came from (the image's source label): make passes the git remote's URL
+ARG MDS_SOURCE=local
 ARG PIN_CHECK=warn
 
 # io.mds.stack.*.pinned: the versions this recipe asks for (its pin file), not checked against the image;

@@ -18,7 +18,8 @@ ARG FLASH_ATTN_ROCM_COMMIT=4819271048d093aabc1a58e30affeadf46da30e9
 ARG APEX_ROCM_REPO=https://github.com/ROCm/apex
 ARG APEX_ROCM_COMMIT=491be2b038555f2e5bb6e9222eaacf47fe9f0fc2
 ARG MDS_VERSION=0.1.0
-ARG MDS_SOURCE=https://github.com/mds-project/mds
+# where the source came from (the image's source label): make passes the git remote's URL
+ARG MDS_SOURCE=local
 ARG PATCH_TARGETS=deepspeed
 ARG PIN_CHECK=warn
 # the flavour doctor checks: make image-cpu builds this recipe as a cpu image
