@@ -212,6 +212,10 @@ def test_source_label_defaults_to_local(recipe):
         labels = " ".join(rest for instruction, rest in dockerfile_instructions(recipe) if instruction == "LABEL")
         assert args.get("MDS_SOURCE") == "local", f"{recipe}: ARG MDS_SOURCE must default to local"
         assert 'org.opencontainers.image.source="${MDS_SOURCE}"' in labels, f"{recipe}: source label != MDS_SOURCE"
+        # a RUN after the ARG would see it, so another clone (another URL) would rebuild every layer from there
+        steps = dockerfile_instructions(recipe)
+        declared = next(i for i, (ins, rest) in enumerate(steps) if ins == "ARG" and rest.startswith("MDS_SOURCE"))
+        assert all(ins != "RUN" for ins, _ in steps[declared:]), f"{recipe}: ARG MDS_SOURCE must follow the last RUN"
     elif "MDS_SOURCE" in definition_arguments(recipe):
         assert definition_arguments(recipe)["MDS_SOURCE"] == "local", f"{recipe}: MDS_SOURCE must default to local"
     for line in (ROOT / recipe).read_text().splitlines():
