@@ -19,7 +19,6 @@ ARG DEEPSPEED_VERSION=0.19.8
 ARG TORCH_CUDA_ARCH_LIST=8.0;9.0
 ARG DS_BUILD_OPS_LIST=FUSED_ADAM,FUSED_LAMB,CPU_ADAM,UTILS
 ARG MDS_VERSION=0.1.0
-ARG MDS_SOURCE=https://github.com/mds-project/mds
 ARG PATCH_TARGETS=deepspeed
 ARG PIN_CHECK=warn
 # the flavour doctor checks: make image-cpu builds this recipe as a cpu image
@@ -30,7 +29,6 @@ ARG MDS_IMAGE_FLAVOUR=cuda
 LABEL org.opencontainers.image.title="mds" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with one entrypoint (CUDA)" \
       org.opencontainers.image.version="${MDS_VERSION}" \
-      org.opencontainers.image.source="${MDS_SOURCE}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.mds.flavour="${MDS_IMAGE_FLAVOUR}" \
@@ -81,9 +79,12 @@ RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src 
 COPY docker/steps/self-check.sh /opt/mds/steps/
 RUN sh /opt/mds/steps/self-check.sh
 
-# declared last: a new commit must not invalidate the cached layers above
+# declared last: a new commit, or a clone from elsewhere, must not invalidate the cached layers above.
+# MDS_SOURCE: where the tree came from (make passes the git remote's URL), `local` without make.
 ARG MDS_REVISION=unknown
-LABEL org.opencontainers.image.revision="${MDS_REVISION}"
+ARG MDS_SOURCE=local
+LABEL org.opencontainers.image.revision="${MDS_REVISION}" \
+      org.opencontainers.image.source="${MDS_SOURCE}"
 
 WORKDIR /workspace
 CMD ["entrypoint", "--help"]

@@ -62,10 +62,14 @@ PIP_CA      ?= $(or $(PIP_CERT),$(shell $(PYTHON) -m pip config list 2>/dev/null
 DOCKER_BUILD_FLAGS ?=
 comma       := ,
 APPTAINER   ?= $(shell command -v apptainer || command -v singularity)
+# the images' source label (org.opencontainers.image.source): where this tree came from, i.e. the URL of the
+# git remote `origin` with any user:password@ taken out, or `local` without one (MDS_SOURCE=... overrides)
+MDS_SOURCE  ?= $(or $(shell git remote get-url origin 2>/dev/null | sed -E 's|^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@|\1|'),local)
 image_pins   = $(shell sed -n "s/^\([A-Z][A-Z0-9_]*\)=\(.*\)$$/--build-arg '\1=\2'/p" $(1))
 image_flags  = --progress=plain $(call image_pins,$(1)) \
   $(if $(BASE_IMAGE),--build-arg '$(2)=$(BASE_IMAGE)') $(if $(PIP_CA),--secret id=pip_ca$(comma)src=$(PIP_CA)) \
-  --build-arg MDS_REVISION=$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown) $(DOCKER_BUILD_FLAGS)
+  --build-arg MDS_REVISION=$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+  --build-arg 'MDS_SOURCE=$(MDS_SOURCE)' $(DOCKER_BUILD_FLAGS)
 
 .PHONY: image image-rocm image-msamp image-cpu image-cpu-base sif sif-lumi sqsh
 

@@ -21,7 +21,6 @@ ARG MSAMP_MSCCL_COMMIT=605e37114745279853793e5dece24a2083dfedcc
 ARG MSAMP_TORCH_CUDA_ARCH_LIST=9.0
 ARG DS_BUILD_OPS_LIST=FUSED_ADAM,FUSED_LAMB,CPU_ADAM,UTILS
 ARG MDS_VERSION=0.1.0
-ARG MDS_SOURCE=https://github.com/mds-project/mds
 ARG PIN_CHECK=warn
 
 # io.mds.stack.*.pinned: the versions this recipe asks for (its pin file), not checked against the image;
@@ -29,7 +28,6 @@ ARG PIN_CHECK=warn
 LABEL org.opencontainers.image.title="mds-msamp" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with MS-AMP FP8 (CUDA, sm_90)" \
       org.opencontainers.image.version="${MDS_VERSION}" \
-      org.opencontainers.image.source="${MDS_SOURCE}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${MSAMP_BASE_IMAGE}" \
       io.mds.flavour="msamp" \
@@ -84,9 +82,12 @@ RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src 
 COPY docker/steps/self-check.sh /opt/mds/steps/
 RUN sh /opt/mds/steps/self-check.sh
 
-# declared last: a new commit must not invalidate the cached layers above
+# declared last: a new commit, or a clone from elsewhere, must not invalidate the cached layers above.
+# MDS_SOURCE: where the tree came from (make passes the git remote's URL), `local` without make.
 ARG MDS_REVISION=unknown
-LABEL org.opencontainers.image.revision="${MDS_REVISION}"
+ARG MDS_SOURCE=local
+LABEL org.opencontainers.image.revision="${MDS_REVISION}" \
+      org.opencontainers.image.source="${MDS_SOURCE}"
 
 WORKDIR /workspace
 CMD ["entrypoint", "--help"]

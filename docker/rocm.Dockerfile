@@ -18,7 +18,6 @@ ARG FLASH_ATTN_ROCM_COMMIT=4819271048d093aabc1a58e30affeadf46da30e9
 ARG APEX_ROCM_REPO=https://github.com/ROCm/apex
 ARG APEX_ROCM_COMMIT=491be2b038555f2e5bb6e9222eaacf47fe9f0fc2
 ARG MDS_VERSION=0.1.0
-ARG MDS_SOURCE=https://github.com/mds-project/mds
 ARG PATCH_TARGETS=deepspeed
 ARG PIN_CHECK=warn
 # the flavour doctor checks: make image-cpu builds this recipe as a cpu image
@@ -29,7 +28,6 @@ ARG MDS_IMAGE_FLAVOUR=rocm
 LABEL org.opencontainers.image.title="mds-rocm" \
       org.opencontainers.image.description="Megatron-DeepSpeed-style GPT pretraining with one entrypoint (ROCm)" \
       org.opencontainers.image.version="${MDS_VERSION}" \
-      org.opencontainers.image.source="${MDS_SOURCE}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.mds.flavour="${MDS_IMAGE_FLAVOUR}" \
@@ -80,9 +78,12 @@ RUN --mount=type=secret,id=pip_ca sh /opt/mds/steps/install-mds.sh /opt/mds/src 
 COPY docker/steps/self-check.sh /opt/mds/steps/
 RUN sh /opt/mds/steps/self-check.sh
 
-# declared last: a new commit must not invalidate the cached layers above
+# declared last: a new commit, or a clone from elsewhere, must not invalidate the cached layers above.
+# MDS_SOURCE: where the tree came from (make passes the git remote's URL), `local` without make.
 ARG MDS_REVISION=unknown
-LABEL org.opencontainers.image.revision="${MDS_REVISION}"
+ARG MDS_SOURCE=local
+LABEL org.opencontainers.image.revision="${MDS_REVISION}" \
+      org.opencontainers.image.source="${MDS_SOURCE}"
 
 WORKDIR /workspace
 CMD ["entrypoint", "--help"]

@@ -200,6 +200,57 @@ def test_makefile_targets_print_the_pinned_builds():
         "BASE_IMAGE=... must come after the pinned one (the last --build-arg wins)"
 
 
+# The source label once named a repository address nobody had made: the label says where the tree came from
+# (the git remote the Makefile reads), and a recipe built without make says `local`, never a guessed URL.
+URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+|[\w.-]+@[\w.-]+:\S+", re.I)
+
+
+@pytest.mark.parametrize("recipe", [*sorted(DOCKERFILES), *sorted(DEFINITIONS)])
+def test_source_label_defaults_to_local(recipe):
+    if recipe in DOCKERFILES:
+        args = dockerfile_args(recipe)
+        labels = " ".join(rest for instruction, rest in dockerfile_instructions(recipe) if instruction == "LABEL")
+        assert args.get("MDS_SOURCE") == "local", f"{recipe}: ARG MDS_SOURCE must default to local"
+        assert 'org.opencontainers.image.source="${MDS_SOURCE}"' in labels, f"{recipe}: source label != MDS_SOURCE"
+        # a RUN after the ARG would see it, so another clone (another URL) would rebuild every layer from there
+        steps = dockerfile_instructions(recipe)
+        declared = next(i for i, (ins, rest) in enumerate(steps) if ins == "ARG" and rest.startswith("MDS_SOURCE"))
+        assert all(ins != "RUN" for ins, _ in steps[declared:]), f"{recipe}: ARG MDS_SOURCE must follow the last RUN"
+    elif "MDS_SOURCE" in definition_arguments(recipe):
+        assert definition_arguments(recipe)["MDS_SOURCE"] == "local", f"{recipe}: MDS_SOURCE must default to local"
+    for line in (ROOT / recipe).read_text().splitlines():
+        if "MDS_SOURCE" in line or "image.source" in line:
+            assert not URL.search(line), f"{recipe}: the source label names an address: {line.strip()}"
+
+
+def make_image_source(tmp_path, remote: str | None) -> str:
+    """The MDS_SOURCE `make -n image` passes, run in a git repository whose origin is `remote` (None: no origin)."""
+    for name in ("Makefile", "cuda/versions", "rocm/versions", "patches/deepspeed/series", "pyproject.toml"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "MDS_"))}
+    env.update(DOCKER="docker", PIP_CA="", GIT_CONFIG_NOSYSTEM="1", HOME=str(tmp_path))
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, env=env, check=True)
+    if remote is not None:
+        subprocess.run(["git", "remote", "add", "origin", remote], cwd=tmp_path, env=env, check=True)
+    out = subprocess.run(["make", "-n", "image"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    values = re.findall(r"--build-arg 'MDS_SOURCE=([^']*)'", out.stdout)
+    assert len(values) == 1, f"make image passes MDS_SOURCE once: {out.stdout}"
+    return values[0]
+
+
+@pytest.mark.parametrize("remote, label", [
+    (None, "local"),
+    ("https://github.com/someone/mds.git", "https://github.com/someone/mds.git"),
+    ("https://someone:ghp_secret@github.com/someone/mds.git", "https://github.com/someone/mds.git"),
+    ("ssh://git@example.org:2222/team/mds.git", "ssh://example.org:2222/team/mds.git"),
+    ("git@github.com:someone/mds.git", "git@github.com:someone/mds.git"),
+])
+def test_make_labels_the_image_with_the_origin_remote(tmp_path, remote, label):
+    assert make_image_source(tmp_path, remote) == label
+
+
 def test_readme_images_table_has_a_row_per_target():
     text = (ROOT / "README.md").read_text()
     assert "## Images" in text
