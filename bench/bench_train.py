@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,9 +107,14 @@ def resolved_shape(flags: list[str]) -> dict:
             "pipeline_model_parallel_size": a.pipeline_model_parallel_size}
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, str]:
-    """Run cmd, teeing its output to the console and log_path; returns (exit code, output tail)."""
+FIRST_ITERATION = re.compile(r"^\s*iteration\s+1/")  # the Megatron-style log line of iteration 1
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout: float, started: dict | None = None) -> tuple[int, str]:
+    """Run cmd, teeing its output to the console and log_path; returns (exit code, output tail). ``started``, when
+    given, gets ``startup_s``: seconds from the start of cmd to its iteration-1 line (what a user waits for)."""
     tail: list[str] = []
+    t0 = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     with open(log_path, "w") as log:
@@ -117,6 +123,8 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, str
         deadline = time.monotonic() + timeout
         try:
             for line in proc.stdout:
+                if started is not None and "startup_s" not in started and FIRST_ITERATION.match(line):
+                    started["startup_s"] = round(time.monotonic() - t0, 1)
                 log.write(line)
                 sys.stdout.write(line)
                 tail = (tail + [line])[-40:]
@@ -136,6 +144,14 @@ def read_metrics(path: Path) -> list[dict]:
     return [r for r in rows if "tokens_per_s" in r]  # training lines (eval lines carry val_loss)
 
 
+def startup_lines(log: str) -> dict:
+    """From the start-up log: ``build_s`` (model and engine built in N s) and ``compile`` (what torch.compile
+    built at start-up and what each part cost), None where the run did not print them."""
+    built = re.search(r"model and engine built in ([0-9.]+) s", log)
+    compiled = re.search(r"torch\.compile at start-up: (.*?); first step", log)
+    return {"build_s": float(built.group(1)) if built else None, "compile": compiled.group(1) if compiled else None}
+
+
 def run_ours(args, flags: list[str]) -> dict:
     work = args.work_dir / args.name
     work.mkdir(parents=True, exist_ok=True)
@@ -150,13 +166,15 @@ def run_ours(args, flags: list[str]) -> dict:
         data = synthetic_dataset(args.work_dir / f"synthetic_gpt2vocab_{millions}M", millions * 1_000_000)
     cmd = train_command(flags, steps=args.steps, metrics_file=metrics, data_prefix=data)
     t0 = time.time()
-    code, tail = run_logged(cmd, work / "train.log", args.timeout)
+    started: dict = {}
+    code, tail = run_logged(cmd, work / "train.log", args.timeout, started)
     steps = read_metrics(metrics)
     measured = [r for r in steps if r["iteration"] > args.warmup_steps]
     record = {"kind": "mds_train", "name": args.name, "status": "ok" if code == 0 and measured else "failed",
               "exit_code": code, "wall_s": round(time.time() - t0, 1), "command": cmd,
               "harness_command": [sys.executable] + sys.argv, "config": resolved_shape(flags),
               "warmup_steps": args.warmup_steps, "environment": environment(),
+              "startup_s": started.get("startup_s"), **startup_lines((work / "train.log").read_text()),
               "summary": median_summary(measured, SUMMARY_KEYS) if measured else None,
               "steps": steps, "log_tail": tail if code != 0 else tail[-3000:]}
     return record
@@ -245,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         s = rec.get("summary") or {}
         print(f"[bench] {rec['name']}: {rec['status']}; median tokens/s {s.get('tokens_per_s')}, "
               f"TFLOP/s/GPU {s.get('tflops_per_gpu')}, MFU {s.get('mfu')}, step {s.get('step_time_s')} s, "
-              f"mem {s.get('mem_gib')} GiB -> {path}", flush=True)
+              f"mem {s.get('mem_gib')} GiB, start-up {rec.get('startup_s')} s (built in {rec.get('build_s')} s) "
+              f"-> {path}", flush=True)
     if "vs_baseline" in ours:
         print(f"[bench] ours/baseline tokens/s = {ours['vs_baseline']['tokens_per_s_ratio']:.3f}", flush=True)
     if not args.no_report:

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from megatron_ds import compile_costs
+
 _failure: str | None = None  # why compiling failed in this process (then everything runs eager)
 _first_call: float | None = None  # seconds of the first compiled call: tracing and lowering both graphs
 
@@ -148,4 +150,5 @@ class CompiledForward:
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
             _first_call = time.perf_counter() - start
+            compile_costs.record("layer graph", _first_call)
         return out

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.parallel.mappings import tp_rank, tp_size
+from megatron_ds.compile_costs import FirstCallTimer
 from megatron_ds.torch_support import compile_problem
 
 # Elements of fp32 working memory per chunk (64M = 256 MiB): large enough that a chunk is a few big
@@ -121,7 +122,7 @@ def _compiled(name: str):
     """A kernel compiled once per process (the batch fixes the shapes: no recompiles)."""
     kernels = {"sum_exp": _sum_exp, "softmax_minus_hit": _softmax_minus_hit,
                "softmax_minus_hit_over": _softmax_minus_hit_over}
-    return torch.compile(kernels[name], dynamic=False)
+    return FirstCallTimer("cross entropy", torch.compile(kernels[name], dynamic=False))
 
 
 _compile_failed = False

@@ -5,8 +5,9 @@ admits only our local GEMMs, so the output head and everything outside the trans
 high precision. The weight Parameter objects move to the new module unchanged (their TP attributes
 too), so the optimizer, DeepSpeed and checkpoints see the same parameters under the same names, and
 there is no FP8 state to save: dynamic scaling computes each scale from the current tensor.
-Fastest under torch.compile (--torch-compile), which fuses the amax and cast kernels; on CUDA inductor also
-tunes those fused kernels (coordinate descent), which they need more than bf16's (``tune_fused_kernels``).
+Fastest under torch.compile (--torch-compile), which fuses the amax and cast kernels; inductor can also tune
+those fused kernels (coordinate descent), at a start-up cost that does not pay back by default
+(``fused_kernels_tuned``).
 """
 
 from __future__ import annotations
@@ -24,18 +25,14 @@ DELAYED_SCALING_FLAGS = ("--fp8-margin", "--fp8-interval", "--fp8-amax-history-l
 TUNING_VARIABLE = "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"
 
 
-def tune_fused_kernels() -> bool:
-    """Inductor's coordinate-descent tuning on, unless the user set TORCHINDUCTOR_COORDINATE_DESCENT_TUNING (theirs
-    wins). The amax/cast kernels torchao adds around each GEMM ran ~3x off memory bandwidth; tuned, GPT-1.3B FP8 is
-    1.8% faster on one H200 (bf16 unchanged; bench/RESULTS.md), for ~45 s more compiling once per kernel cache."""
-    import torch
-
-    if TUNING_VARIABLE in os.environ or not torch.cuda.is_available():
-        return False
+def fused_kernels_tuned() -> bool:
+    """Whether inductor tunes its fused kernels (coordinate descent): off unless the user sets
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1, which torch reads itself. Tuning makes GPT-1.3B FP8 1.8% faster on
+    one H200 but made its first step 283 s instead of 34 s with a cold compile cache (bench/RESULTS.md, start-up):
+    paid back only after ~17,000 steps, so a start (and every restart on a new node) does not pay it by default."""
     import torch._inductor.config as inductor
 
-    inductor.coordinate_descent_tuning = True
-    return True
+    return bool(inductor.coordinate_descent_tuning)
 
 
 class TorchaoEngine(FP8Engine):
@@ -43,7 +40,7 @@ class TorchaoEngine(FP8Engine):
 
     def __init__(self, options):
         super().__init__(options)
-        self.tuned = False  # whether convert() turned inductor's kernel tuning on
+        self.tuned = False  # whether inductor tunes its fused kernels (the user's TORCHINDUCTOR_ variable)
 
     @property
     def recipe(self) -> str:
@@ -72,7 +69,7 @@ class TorchaoEngine(FP8Engine):
     def convert(self, model: nn.Module, state=None) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
 
-        self.tuned = tune_fused_kernels()
+        self.tuned = fused_kernels_tuned()
         chosen = {id(m) for m in local_gemms(model).values()}
         return convert_to_float8_training(model, config=self.config(),
                                           module_filter_fn=lambda module, fqn: id(module) in chosen)

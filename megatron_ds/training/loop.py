@@ -174,18 +174,18 @@ class StopConditions:
 
 
 def _log_compile_time(device: torch.device, step_start: float) -> None:
-    """Once, after the first step: what compiling cost (nothing when the layers fell back to eager: the warning
-    said so). The layer graph is only part of it: the first step also compiles the cross entropy and the
-    optimizer step and, with a cold kernel cache, builds every kernel (GPT-6.7B TP=2 on H200: layer graph 12 s,
-    first step 126 s; with the cache warm, 10 s), so the whole first step is what a user waits for."""
+    """Once, after the first step: what compiling cost, per compiled function (nothing when the layers fell back
+    to eager: the warning said so). The first step compiles the layer graph, the cross entropy and the optimizer
+    step and, with a cold kernel cache, builds every kernel, so the whole first step is what a user waits for."""
+    from megatron_ds import compile_costs
     from megatron_ds.model.compiled import cache_dir, compile_failure, first_call_seconds
 
     if compile_failure() is None and first_call_seconds() is not None:
         _sync(device)  # once per run
         first_step = time.perf_counter() - step_start
-        _log(f"mds train: torch.compile: {first_call_seconds():.1f} s for the layer graph (tracing, lowering "
-             f"forward and backward); first step {first_step:.1f} s in all. Compiled kernels are cached in "
-             f"{cache_dir()} (TORCHINDUCTOR_CACHE_DIR): a run that finds them there starts faster")
+        _log(f"mds train: torch.compile at start-up: {compile_costs.summary()} (first calls: tracing, lowering, "
+             f"kernels); first step {first_step:.1f} s in all. Compiled kernels are cached in {cache_dir()} "
+             "(TORCHINDUCTOR_CACHE_DIR): a run that finds them there starts faster")
 
 
 class Trainer:

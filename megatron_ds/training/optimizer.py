@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from megatron_ds.compile_costs import FirstCallTimer
 from megatron_ds.model.compiled import compile_errors, describe_compile_error
 from megatron_ds.torch_support import compile_problem
 
@@ -100,7 +101,11 @@ def _step_fn():
     """_adamw_flat compiled (one kernel on CUDA), or plain when compiling it fails (one warning)."""
     global _flat_step
     if _flat_step is None:
-        compiled = torch.compile(_adamw_flat, dynamic=False)
+        # No benchmarking of kernel variants: inductor would run each variant of this memory-bound kernel on the
+        # real flat tensors (billions of elements, restoring the ones it writes after each run), once per shape
+        # and with a cold cache on every new node; its launch configuration is all that would change.
+        compiled = FirstCallTimer("flat AdamW step", torch.compile(
+            _adamw_flat, dynamic=False, options={"triton.autotune_pointwise": False}))
 
         def step_fn(*args, **kwargs):
             global _flat_step

@@ -48,6 +48,9 @@ def test_harness_runs_train_and_baseline_and_records(tmp_path):
         assert {"date", "git_commit", "gpu", "torch", "deepspeed"} <= set(env)
         assert env["gpu"] == "cpu" and env["torch"]
     assert [s["iteration"] for s in ours["steps"]] == [1, 2, 3]
+    # start-up: from the launch to the iteration-1 line, which comes after the model and engine were built
+    assert ours["build_s"] > 0 and ours["startup_s"] > ours["build_s"], (ours["startup_s"], ours["build_s"])
+    assert ours["startup_s"] < ours["wall_s"] and ours["compile"] is None  # eager on the CPU: nothing compiled
     later = [s["tokens_per_s"] for s in ours["steps"] if s["iteration"] > 1]
     assert ours["summary"]["tokens_per_s"] == pytest.approx(statistics.median(later))
     assert ours["summary"]["steps_measured"] == 2 and ours["summary"]["mem_gib"] > 0
@@ -193,3 +196,14 @@ def test_in_process_build_gives_each_torchrun_rank_its_tp_half(tmp_path):
 
     assert {r["profile"] for r in [whole, *halves]} == {profiles.choose(None)[0].name}, (whole, halves)
     assert halves[0]["params"] == halves[1]["params"] < whole["params"], (whole, halves)
+
+
+def test_startup_lines_give_build_time_and_what_compiled():
+    from bench.bench_train import startup_lines
+
+    log = ("mds train: world 2 = TP 2 x PP 1 x DP 1, ...; model and engine built in 34.9 s (weights drawn on the GPU)\n"
+           "mds train: torch.compile at start-up: layer graph 13.3 s, cross entropy (3 kernels) 2.0 s (first calls: "
+           "tracing, lowering, kernels); first step 20.1 s in all. Compiled kernels are cached in /c\n")
+    assert startup_lines(log) == {"build_s": 34.9, "compile": "layer graph 13.3 s, cross entropy (3 kernels) 2.0 s "
+                                                              "(first calls: tracing, lowering, kernels)"}
+    assert startup_lines("no start-up lines") == {"build_s": None, "compile": None}

@@ -160,19 +160,17 @@ def test_doctor_runs_one_float8_linear_forward_and_backward():
     assert _torchao(torchao) == "Float8Linear forward and backward ok on the CPU"
 
 
-def test_inductor_kernel_tuning_is_on_for_cuda_unless_the_user_chose(monkeypatch):
-    """convert() turns inductor's coordinate-descent tuning on with a CUDA GPU (torchao's fused amax/cast kernels
-    gain from it); TORCHINDUCTOR_COORDINATE_DESCENT_TUNING set by the user wins; nothing changes on the CPU."""
+def test_inductor_kernel_tuning_is_off_unless_the_user_turns_it_on(monkeypatch):
+    """Coordinate-descent tuning of the fused amax/cast kernels is the user's choice (torch's own
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING): converting never turns it on, GPU or not, and the start-up line
+    says when it is on."""
     import torch._inductor.config as inductor
 
-    from megatron_ds.precision import fp8_torchao
-
     monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
-    monkeypatch.delenv(fp8_torchao.TUNING_VARIABLE, raising=False)
-    assert fp8_torchao.tune_fused_kernels() is torch.cuda.is_available()  # this CPU machine: False, untouched
-    assert inductor.coordinate_descent_tuning is torch.cuda.is_available()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU node answers
-    assert fp8_torchao.tune_fused_kernels() and inductor.coordinate_descent_tuning
-    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
-    monkeypatch.setenv(fp8_torchao.TUNING_VARIABLE, "0")
-    assert not fp8_torchao.tune_fused_kernels() and not inductor.coordinate_descent_tuning
+    engine = TorchaoEngine(FP8Options())
+    engine.convert(GPTModel(GPTConfig(**BASE)))
+    assert not inductor.coordinate_descent_tuning and "tunes" not in engine.describe()
+    monkeypatch.setattr(inductor, "coordinate_descent_tuning", True)  # the user's TORCHINDUCTOR_ variable
+    engine.convert(GPTModel(GPTConfig(**BASE)))
+    assert inductor.coordinate_descent_tuning and "inductor tunes its fused kernels" in engine.describe()

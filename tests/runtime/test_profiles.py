@@ -197,3 +197,18 @@ def test_installed_package_finds_the_profiles(tmp_path):
     names, lumi_path = result.stdout.splitlines()
     assert {"generic", "dgx-ib", "azure-ndv5", "aws-efa", "polaris", "lumi"} <= set(json.loads(names))
     assert lumi_path.startswith(str(venv / "share" / "mds"))
+
+
+def test_compile_cache_defaults_to_home_and_the_users_value_wins(tmp_path):
+    """torch.compile's kernels go where a restarted or resubmitted job finds them: ~/.cache/mds/torch-compile
+    (home outlives the job and is shared across a cluster's nodes), unless the user chose TORCHINDUCTOR_CACHE_DIR."""
+    from megatron_ds.runtime import profiles
+
+    generic = profiles.get_profile("generic", env={})
+    env = {"HOME": str(tmp_path)}
+    decided = {s.name: s for s in profiles.apply(generic, env)}
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache" / "mds" / "torch-compile")
+    assert decided["TORCHINDUCTOR_CACHE_DIR"].applied and "kept across jobs" in decided["TORCHINDUCTOR_CACHE_DIR"].why
+    mine = {"HOME": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": "/shared/cache"}
+    decided = {s.name: s for s in profiles.apply(generic, mine)}
+    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/shared/cache" and not decided["TORCHINDUCTOR_CACHE_DIR"].applied

@@ -49,7 +49,7 @@ def compiled_run(tmp_path_factory, demo_corpus, name, env_extra=None, extra=(), 
 def test_cpu_default_is_eager(eager):
     assert "torch.compile off, device cpu; model and engine built in" in eager["stdout"], eager["stdout"][-2000:]
     assert "s (weights drawn on the CPU)" in eager["stdout"], eager["stdout"][-2000:]
-    assert "torch.compile:" not in eager["stdout"] and "WARNING" not in eager["stderr"]
+    assert "torch.compile at start-up" not in eager["stdout"] and "WARNING" not in eager["stderr"]
     assert "torch.compile is off" not in eager["stderr"]  # no notice: eager is simply the CPU default
 
 
@@ -60,9 +60,9 @@ def test_compiled_run_prints_its_compile_time_and_trains_the_eager_model(tmp_pat
         pytest.skip(compile_problem())
     run = compiled_run(tmp_path_factory, demo_corpus, "compiled")
     assert "torch.compile on, device cpu" in run["stdout"]
-    lines = [line for line in run["stdout"].splitlines() if "mds train: torch.compile:" in line]
+    lines = [line for line in run["stdout"].splitlines() if "mds train: torch.compile at start-up: " in line]
     assert len(lines) == 1, run["stdout"][-2000:]
-    layer_graph = float(lines[0].split("torch.compile:")[1].split()[0])
+    layer_graph = float(lines[0].split("start-up: layer graph ")[1].split()[0])
     first_step = float(lines[0].split("first step")[1].split()[0])
     assert 0 < layer_graph <= first_step, lines[0]  # the whole first step, compiling included
     assert f"cached in {run['inductor_cache']} (TORCHINDUCTOR_CACHE_DIR)" in lines[0], lines[0]
@@ -136,5 +136,5 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(tmp_path_factory, 
     warnings = [line for line in run["stderr"].splitlines() if "WARNING" in line and "torch.compile" in line]
     assert len(warnings) == 1, run["stderr"][-4000:]
     assert "InvalidCxxCompiler" in warnings[0] and "run eager for the rest of this run" in warnings[0], warnings
-    assert "mds train: torch.compile:" not in run["stdout"]  # no compile time to report
+    assert "mds train: torch.compile at start-up" not in run["stdout"]  # no compile time to report
     assert losses(run) == losses(eager)  # the eager layers: bit-identical
