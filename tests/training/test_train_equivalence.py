@@ -206,6 +206,17 @@ def test_cli_config_errors_exit_2_before_any_rank_starts(demo_corpus, extra, fla
     assert time.time() - start < 30
 
 
+def test_more_ranks_than_visible_gpus_exit_2_naming_the_flag(demo_corpus):
+    """Two ranks per node on a node showing one GPU: refused before anything starts (gloo may share a GPU)."""
+    argv = [ENTRYPOINT, "train", *GPT, *data_flags(demo_corpus), "--micro-batch-size", "2", "--train-iters", "5",
+            "--lr", "1e-3", "--nproc-per-node", "2"]
+    result = subprocess.run(argv, env={**clean_env(), "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "error: --nproc-per-node: 2 ranks per node but this node shows 1 GPU(s)" in result.stderr, result.stderr
+    assert "--nproc-per-node 1 or fewer" in result.stderr and "spawning" not in result.stderr
+
+
 def test_bf16_without_zero_matches_zero1(tmp_path_factory, demo_corpus):
     """bf16 at ZeRO-0: DeepSpeed wraps our AdamW in its fp16/bf16 optimizer, which takes a start-up step on
     zero gradients; unless the loop undoes it, AdamW's step count is ahead and iteration 2 already differs

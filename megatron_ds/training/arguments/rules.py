@@ -35,6 +35,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _filled_values_given(args)
     _precision(args)
     _megatron_equivalents(args)
+    _ranks_per_gpu(args)
     dims = _layout(args, world_size)
     check_ulysses(args, dims)
     _model_shape(args, dims)
@@ -116,6 +117,19 @@ def _precision(args: argparse.Namespace) -> None:
 def _without_flag(flag: str | None, message: str) -> str:
     """A library error's message for ConfigError, which prints `flag: rule` (so the flag is not said twice)."""
     return message[len(flag) + 1:] if flag and message.startswith(flag + " ") else message
+
+
+def _ranks_per_gpu(args: argparse.Namespace) -> None:
+    """More ranks than the node's visible GPUs: two NCCL ranks would share a GPU and NCCL stops them at its first
+    collective, after every rank has loaded the model. Refused here; gloo may share GPUs (tests do)."""
+    from megatron_ds.runtime.bootstrap import visible_gpus
+
+    gpus = visible_gpus()
+    if args.nproc_per_node and gpus and args.nproc_per_node > gpus and args.distributed_backend != "gloo":
+        raise ConfigError("--nproc-per-node", f"{args.nproc_per_node} ranks per node but this node shows {gpus} "
+                                              f"GPU(s); give --nproc-per-node {gpus} or fewer (one rank per GPU), "
+                                              "check CUDA_VISIBLE_DEVICES, or share GPUs over "
+                                              "--distributed-backend gloo")
 
 
 def _layout(args: argparse.Namespace, world_size: int) -> ParallelDims:
