@@ -6,6 +6,7 @@ import os
 import sys
 from typing import NoReturn
 
+from megatron_ds.training import memory_estimate
 from megatron_ds.training.arguments import ConfigError, parse_args, print_notices, validate
 
 
@@ -32,8 +33,20 @@ def main(argv: list[str]) -> int:
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
         validate(args, plan.ranks()[0].world_size)
+        if os.environ.get("RANK") is None or args.dry_run:  # the launcher (or a lone rank): before any GPU work
+            fit = memory_estimate.check_fits(args, memory_estimate.gpu_memory_gib())
     except ConfigError as err:
         return _error(str(err))
+    if args.dry_run:
+        from megatron_ds.runtime.bootstrap import describe
+
+        print(f"entrypoint train --dry-run: {describe(plan)}\n"
+              f"  layout TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x DP "
+              f"{args.data_parallel_size}, ZeRO-{args.zero_stage or 0}, micro batch {args.micro_batch_size} x "
+              f"{args.gradient_accumulation_steps} accumulation steps\n"
+              f"  estimated GPU memory: {fit.describe()} (torch's allocator peak; the CUDA context and NCCL "
+              "add 1-3 GiB)\nnothing started (--dry-run)")
+        return 0
     from megatron_ds.runtime.bootstrap import become_rank
 
     # With --exit-signal-handler a TERM means "finish the step and save": give the ranks time for it.

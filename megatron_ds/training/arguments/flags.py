@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-backend", choices=["nccl", "gloo", "ccl", "mpi"],
                    help="default: nccl on GPUs (RCCL on ROCm), gloo on CPU")
     g.add_argument("--nproc-per-node", type=int, help="ranks to spawn on this node (default: its GPUs, or 1)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="validate the flags, print the launch plan and the estimated GPU memory per GPU (model "
+                        "state, activations, logits), and exit without starting a rank")
     g.add_argument("--profile", help="site profile for the NCCL/RCCL environment (default: detected)")
     g.add_argument("--master-addr", help="overrides MASTER_ADDR (default: the first host of the job, torchrun's name)")
     g.add_argument("--master-port", type=int, help="overrides MASTER_PORT (default: derived from the job id; a free "

@@ -1,0 +1,206 @@
+"""How much GPU memory a run needs per GPU, from its shape and layout alone: checked before any GPU work, printed
+by `entrypoint train --dry-run`, and the reason a size that cannot fit is refused (exit 2) with a layout that fits.
+
+Per GPU, the largest pipeline stage's:
+- training state (bytes per parameter of the stage's TP slice): bf16/fp16 weights 2 and gradients 2, fp32 master
+  weights and Adam moments 12 (fp32 runs: weights 4, gradients 4, moments 8); ZeRO-1 shards the 12 over the
+  data-parallel ranks, ZeRO-2 the gradients too, ZeRO-3 everything;
+- activations (Megatron's count for a layer with fused attention: 34 bytes per hidden element per token in 16-bit,
+  divided by TP under sequence parallelism, plus the two inputs the compiled TP layers keep gathered: 4 bytes;
+  with full recompute, each layer's 16-bit input and one layer's activations; Ulysses: q, k, v and the attention
+  output at full sequence, 8 bytes), for each micro-batch a stage holds at once (1F1B: PP - stage), over the
+  tokens of this rank (Ulysses divides the sequence);
+- the output head's logits (16-bit, vocab / TP), on the last stage.
+torch's caching allocator peak (``mem_gib`` of the metrics) is what this predicts; the CUDA context and NCCL's
+buffers come on top (about 1-3 GiB).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+
+from megatron_ds.model.config import GPTConfig
+from megatron_ds.parallel.pipeline_split import stage_layers
+
+GIB = 1 << 30
+ACTIVATION_BYTES = 34  # per hidden element per token and layer, 16-bit, fused attention (no s x s scores)
+GATHERED_INPUT_BYTES = 4  # QKV and FC1 inputs kept all-gathered by the compiled TP layers under SP
+ULYSSES_BYTES = 8  # Ulysses: q, k, v and the attention output kept at full sequence (heads / SP): 4 x 2 bytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the estimate depends on beyond the model's shape."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1  # data-parallel ranks (Ulysses ranks included: ZeRO shards over them too)
+    ulysses: int = 1
+    zero_stage: int = 0
+    micro_batch: int = 1
+    micro_batches: int = 1  # per optimizer step and data-parallel rank
+    dtype_bytes: int = 2  # 2: bf16/fp16, 4: fp32
+    sequence_parallel: bool = False
+    recompute: bool = False
+    last_stage_layers: int | None = None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    state_gib: float
+    activations_gib: float
+    logits_gib: float
+    stage: int  # the pipeline stage with the largest need
+
+    @property
+    def total_gib(self) -> float:
+        return self.state_gib + self.activations_gib + self.logits_gib
+
+    def describe(self) -> str:
+        where = f" (pipeline stage {self.stage})" if self.stage else ""
+        return (f"{self.total_gib:.1f} GiB per GPU{where}: training state {self.state_gib:.1f}, activations "
+                f"{self.activations_gib:.1f}, logits {self.logits_gib:.1f}")
+
+
+def _state_bytes_per_parameter(layout: Layout) -> float:
+    if layout.dtype_bytes == 4:
+        weights, grads, optimizer = 4.0, 4.0, 8.0
+    else:
+        weights, grads, optimizer = 2.0, 2.0, 12.0
+    shard = max(1, layout.dp)
+    if layout.zero_stage >= 1:
+        optimizer /= shard
+    if layout.zero_stage >= 2:
+        grads /= shard
+    if layout.zero_stage >= 3:
+        weights /= shard
+    return weights + grads + optimizer
+
+
+def estimate(config: GPTConfig, layout: Layout) -> Estimate:
+    """The peak of the pipeline stage that needs most (see the module docstring)."""
+    t = layout.tp
+    layer_params = (config.num_parameters(include_embeddings=False) - config.hidden_size) / config.num_layers
+    vocab_params = config.vocab_size * config.hidden_size / t
+    position_params = (config.max_position_embeddings * config.hidden_size
+                       if config.position_embedding_type == "learned_absolute" else 0)
+    tokens = layout.micro_batch * config.seq_length / max(1, layout.ulysses)
+    per_layer = ACTIVATION_BYTES * layout.dtype_bytes / 2 / (t if layout.sequence_parallel else 1)
+    if layout.sequence_parallel and t > 1:
+        per_layer += GATHERED_INPUT_BYTES
+    if layout.ulysses > 1:
+        per_layer += ULYSSES_BYTES * layout.dtype_bytes / 2
+    split = stage_layers(config.num_layers, layout.pp, last=layout.last_stage_layers,
+                         head_layers=config.head_cost_in_layers())
+    best = None
+    for stage, layers in enumerate(split):
+        first, last = stage == 0, stage == len(split) - 1
+        params = layers * layer_params / t
+        if first:
+            params += vocab_params + position_params
+        if last and (not first or not config.tied_embeddings):
+            params += vocab_params  # the output head (a tied copy on the last stage too)
+        in_flight = min(layout.pp - stage, layout.micro_batches)
+        hidden = tokens * config.hidden_size
+        if layout.recompute:  # each layer's input kept, one layer's activations alive at a time
+            acts = in_flight * layers * hidden * layout.dtype_bytes / (t if layout.sequence_parallel else 1)
+            acts += hidden * per_layer
+        else:
+            acts = in_flight * layers * hidden * per_layer
+        logits = tokens * config.vocab_size / t * layout.dtype_bytes if last else 0.0
+        found = Estimate(params * _state_bytes_per_parameter(layout) / GIB, acts / GIB, logits / GIB, stage)
+        if best is None or found.total_gib > best.total_gib:
+            best = found
+    return best
+
+
+def gpu_memory_gib() -> float | None:
+    """The smallest GPU's memory on this node, from nvidia-smi (no CUDA context in this process: ranks are
+    spawned after validation), or None where it cannot tell (no NVIDIA GPU, no nvidia-smi)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [float(x) for x in out.stdout.split() if x.strip().replace(".", "", 1).isdigit()]
+    return min(sizes) / 1024 if out.returncode == 0 and sizes else None  # MiB -> GiB
+
+
+def layout_that_fits(config: GPTConfig, layout: Layout, world: int, limit_gib: float) -> str | None:
+    """The first change (cheapest first) whose estimate fits in limit_gib, as flags, or None."""
+    candidates = []
+    if layout.micro_batch > 1:
+        candidates.append(("--micro-batch-size 1", replace(layout, micro_batch=1,
+                                                            micro_batches=layout.micro_batches * layout.micro_batch)))
+    if not layout.recompute:
+        candidates.append(("--checkpoint-activations", replace(layout, recompute=True)))
+    for stage in (2, 3):
+        if layout.dp > 1 and layout.zero_stage < stage and layout.pp == 1:
+            candidates.append((f"--zero-stage {stage}", replace(layout, zero_stage=stage)))
+    model_parallel = layout.tp * layout.pp
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8, 16):
+            if tp * pp <= model_parallel or world % (tp * pp) or config.num_attention_heads % tp \
+                    or config.num_layers < pp:
+                continue
+            dp = world // (tp * pp)
+            candidates.append((f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+                               + (" --sequence-parallel" if tp > 1 else ""),
+                               replace(layout, tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1,
+                                       micro_batches=max(1, math.ceil(layout.micro_batches * layout.dp / dp)))))
+    candidates.sort(key=lambda c: 0 if c[0].startswith("--micro") else 1)
+    for flags, changed in candidates:
+        for extra_flags, extra in (("", {}), (" --checkpoint-activations", {"recompute": True}),
+                                   (" --micro-batch-size 1 --checkpoint-activations",
+                                    {"recompute": True, "micro_batch": 1})):
+            trial = replace(changed, **extra)
+            if estimate(config, trial).total_gib <= limit_gib:
+                return (flags + extra_flags).strip()
+    return None
+
+
+def for_args(args) -> tuple[GPTConfig, Layout]:
+    """The model shape and layout of validated flags (the vocabulary as padded for GPT-2's 50,257 tokens where
+    the tokenizer, not yet loaded, decides it: the estimate's logits and embedding move by well under 1%)."""
+    from megatron_ds.training.arguments.rules import pad_vocab_size
+
+    tp = args.tensor_model_parallel_size
+    vocab = pad_vocab_size(getattr(args, "vocab_size", None) or 50257, args.make_vocab_size_divisible_by, tp)
+    config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab, seq_length=args.seq_length,
+                       max_position_embeddings=args.max_position_embeddings,
+                       position_embedding_type=args.position_embedding_type, normalization=args.normalization,
+                       swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
+                       untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    pp = args.pipeline_model_parallel_size
+    layout = Layout(tp=tp, pp=pp, dp=max(1, args.world_size // (tp * pp)),  # Ulysses ranks shard ZeRO's state too
+                    ulysses=getattr(args, "ds_sequence_parallel_size", 1) or 1, zero_stage=args.zero_stage or 0,
+                    micro_batch=args.micro_batch_size, micro_batches=args.gradient_accumulation_steps,
+                    dtype_bytes=2 if (args.bf16 or args.fp16) else 4, sequence_parallel=bool(args.sequence_parallel),
+                    recompute=args.recompute_granularity == "full",
+                    last_stage_layers=args.decoder_last_pipeline_num_layers)
+    return config, layout
+
+
+def check_fits(args, gpu_gib: float | None) -> Estimate:
+    """The estimate; ConfigError (exit 2, before any GPU work) when it exceeds the GPUs' memory, naming what is
+    needed, what the GPUs have and a layout that fits."""
+    from megatron_ds.training.arguments import ConfigError
+
+    config, layout = for_args(args)
+    found = estimate(config, layout)
+    if gpu_gib is not None and found.total_gib > gpu_gib:
+        fits = layout_that_fits(config, layout, args.world_size, gpu_gib)
+        way_out = (f"a layout that fits: {fits}" if fits else
+                   "no layout of these GPUs fits it: use more GPUs (nodes) or a smaller model")
+        raise ConfigError("--micro-batch-size" if layout.micro_batch > 1 else "--tensor-model-parallel-size",
+                          f"this run needs about {found.describe()}, and the GPUs here have {gpu_gib:.1f} GiB "
+                          f"each; {way_out} (`entrypoint train ... --dry-run` prints the estimate of a layout)")
+    return found

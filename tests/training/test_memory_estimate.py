@@ -1,0 +1,88 @@
+"""The memory estimate against the peaks measured on H200s/H100s (bench/results), and the refusal it drives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.model.config import GPTConfig
+from megatron_ds.training.memory_estimate import Layout, estimate, layout_that_fits
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRYPOINT = os.path.join(os.path.dirname(os.sys.executable), "entrypoint")
+
+# (record in bench/results, Ulysses SP): torch's allocator peak of real runs, one per layout kind
+MEASURED = [("gpt1_3b_s2048_mbs16_z1_default_flags_s26", 1), ("gpt1_3b_s2048_mbs16_z1_dp2_default_s26_1", 1),
+            ("gpt1_3b_s2048_mbs16_gbs128_z1_pp2_s26", 1), ("gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_s20", 1),
+            ("gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_wgrad_0007_s16", 1),
+            ("gpt1_3b_s32768_mbs1_gbs4_z1_ulysses2_default_s24", 2), ("gpt1_3b_s8192_ulysses2_qkv1_compiled_s24", 2)]
+
+
+def _from_record(name: str, ulysses: int) -> tuple[GPTConfig, Layout, float]:
+    record = json.loads((REPO / "bench" / "results" / f"{name}.json").read_text())
+    c, command = record["config"], record["command"]
+    tp, pp = c["tensor_model_parallel_size"], c["pipeline_model_parallel_size"]
+    world = c["nproc_per_node"] or 1
+    dp = world // (tp * pp)
+    gbs = c["global_batch_size"] or c["micro_batch_size"] * dp
+    vocab = 50304 if tp == 1 else 50432  # GPT-2's 50,257 tokens padded to 128 x TP
+    config = GPTConfig(num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                       num_attention_heads=c["num_attention_heads"], seq_length=c["seq_length"],
+                       max_position_embeddings=c["seq_length"], vocab_size=vocab)
+    layout = Layout(tp=tp, pp=pp, dp=dp, ulysses=ulysses, zero_stage=c["zero_stage"],
+                    micro_batch=c["micro_batch_size"], micro_batches=gbs // (c["micro_batch_size"] * (dp // ulysses)),
+                    sequence_parallel="--sequence-parallel" in command)
+    return config, layout, record["summary"]["mem_gib"]
+
+
+@pytest.mark.parametrize("name, ulysses", MEASURED)
+def test_estimate_is_within_10_percent_of_the_measured_peak(name, ulysses):
+    config, layout, measured = _from_record(name, ulysses)
+    predicted = estimate(config, layout).total_gib
+    print(f"{name}: estimated {predicted:.1f} GiB, measured {measured:.1f} GiB ({predicted / measured - 1:+.1%})")
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_a_layout_that_fits_is_found_and_fits():
+    gpt13 = GPTConfig(num_layers=40, hidden_size=5120, num_attention_heads=40, seq_length=2048,
+                      max_position_embeddings=2048, vocab_size=50304)
+    dp4 = Layout(dp=4, zero_stage=1, micro_batch=8, micro_batches=2)
+    assert estimate(gpt13, dp4).total_gib > 139
+    flags = layout_that_fits(gpt13, dp4, 4, 139.0)
+    assert flags is not None and flags.startswith("--"), flags
+
+
+def _fake_nvidia_smi(tmp_path: Path, mib: int) -> dict:
+    """A node whose nvidia-smi reports four GPUs of `mib` MiB (this CI machine has none)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nfor i in 1 2 3 4; do echo {mib}; done\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_alcf_gpt25b_on_four_h200s_is_refused_before_any_gpu_work(tmp_path, demo_corpus):
+    """The seeds' large run (ALCF's variables, GPT25B, sequence 4096, micro batch 1, ZeRO-1) does not fit 141 GB
+    GPUs as DP=4: exit 2 naming what it needs, what the GPUs have, and a layout that fits; nothing spawned."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(_fake_nvidia_smi(tmp_path, 143771), MODEL_SIZE_KEY="GPT25B", SEQ_LEN="4096", MICRO_BATCH="1",
+               SP_TYPE="megatron", ZERO_STAGE="1", CUDA_VISIBLE_DEVICES="0,1,2,3")
+    argv = [ENTRYPOINT, "train", "--bf16", "--nproc-per-node", "4", "--max-position-embeddings", "4096",
+            "--train-iters", "10", "--lr", "1e-4", "--data-path", demo_corpus.prefix, "--vocab-file",
+            demo_corpus.vocab_file, "--merge-file", demo_corpus.merge_file, "--distributed-backend", "gloo"]
+    result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "this run needs about" in result.stderr and "the GPUs here have 140.4 GiB each" in result.stderr
+    assert "a layout that fits: --" in result.stderr, result.stderr
+    assert "spawning" not in result.stderr and "mds train:" not in result.stdout
+
+    dry = subprocess.run([*argv, "--dry-run", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+                          "--checkpoint-activations"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "layout TP 4 x PP 1 x DP 1, ZeRO-1" in dry.stdout and "estimated GPU memory: " in dry.stdout
+    assert "nothing started (--dry-run)" in dry.stdout and "spawning" not in dry.stderr
