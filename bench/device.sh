@@ -178,6 +178,22 @@ stage_startup() {  # compile start-up of one layer (GPT-1.3B, GPT-13B), then GPT
   keep "compile_startup_$TAG" "gpt6_7b_startup_gpu_draw_$TAG"
 }
 
+stage_node_startup() {  # start to iteration 1, cold then warm compile cache: GPT-6.7B TP=2+SP; GPT-1.3B FP8 cold
+  local S="--steps 4 --warmup-steps 2" cold="/tmp/mds_compile_cold_$TAG" fp8="/tmp/mds_compile_fp8_$TAG"
+  ds_patches
+  rm -rf "$cold" "$fp8"
+  TORCHINDUCTOR_CACHE_DIR=$cold t 300 $B $S --name "node_startup_gpt6_7b_tp2_sp_cold_$TAG" -- $GPT67_TP2SP
+  TORCHINDUCTOR_CACHE_DIR=$cold t 150 $B $S --name "node_startup_gpt6_7b_tp2_sp_warm_$TAG" -- $GPT67_TP2SP
+  CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=$fp8 t 150 $B --steps 8 --warmup-steps 3 \
+    --name "node_startup_gpt1_3b_fp8_cold_$TAG" -- $GPT13_16 --fp8-format hybrid
+}
+
+stage_two_nodes() {  # two node launchers on one host as a 2-node Slurm step against one launcher: GPT-1.3B TP=2
+  ds_patches
+  t 400 $PYTHON bench/two_nodes.py --name "two_nodes_gpt1_3b_tp2_$TAG" -- $GPT13 --micro-batch-size 8 \
+    --global-batch-size 16 --zero-stage 1 --tensor-model-parallel-size 2 --hidden-dropout 0 --attention-dropout 0
+}
+
 stage_gpu_tests() {  # pytest -m gpu on 2 GPUs: every layout against the one-GPU curve, compiled against eager, FP8
   ds_patches
   GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-590} gpu_tests "gpu_tests_$TAG" "${GPU_TESTS:-}"
