@@ -188,6 +188,13 @@ stage_node_startup() {  # start to iteration 1, cold then warm compile cache: GP
     --name "node_startup_gpt1_3b_fp8_cold_$TAG" -- $GPT13_16 --fp8-format hybrid
 }
 
+stage_node_restart() {  # SIGKILL of rank 1 at step 7 under --max-restarts 1, checkpoints every 5 steps on /dev/shm:
+  # the time from the kill to step 6 logged again, and the resumed losses against two uninterrupted runs
+  ds_patches
+  t 560 $PYTHON bench/node_restart.py --name "node_restart_gpt6_7b_tp2_sp_$TAG" --steps 8 --kill-at 7 \
+    --save-interval 5 --timeout 250 -- $GPT67_TP2SP
+}
+
 stage_two_nodes() {  # two node launchers on one host as a 2-node Slurm step against one launcher: GPT-1.3B TP=2
   ds_patches
   t 400 $PYTHON bench/two_nodes.py --name "two_nodes_gpt1_3b_tp2_$TAG" -- $GPT13 --micro-batch-size 8 \
