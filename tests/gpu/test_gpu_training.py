@@ -149,6 +149,21 @@ def test_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference
     compare(name, run, reference)
 
 
+@needs(4)
+@pytest.mark.parametrize("name, extra", [
+    ("tp4_sp", ["--tensor-model-parallel-size", "4", "--sequence-parallel", "--zero-stage", "1"]),
+    ("tp2_sp_pp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                    "--zero-stage", "1"]),
+    ("pp4", ["--pipeline-model-parallel-size", "4", "--zero-stage", "1"]),
+    ("zero3_dp4", ["--zero-stage", "3"]),
+])
+def test_whole_node_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference, name, extra):
+    """The 4-GPU layouts of a node against the one-GPU curve, within the 2-GPU tests' bound (a global batch of 8
+    divides over DP=4 as over DP=2)."""
+    run = run_train(tmp_path_factory, demo_corpus, name, ["--bf16", *extra], nproc=4)
+    compare(name, run, reference)
+
+
 TP2 = ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
