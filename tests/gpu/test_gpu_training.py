@@ -155,7 +155,7 @@ def test_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference
     ("tp2_sp_pp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                     "--zero-stage", "1"]),
     ("pp4", ["--pipeline-model-parallel-size", "4", "--zero-stage", "1"]),
-    ("zero3_dp4", ["--zero-stage", "3"]),
+    ("zero3_dp4", ["--zero-stage", "3", "--micro-batch-size", "2"]),  # the global batch 8 over DP=4
 ])
 def test_whole_node_layout_matches_single_gpu_bf16(tmp_path_factory, demo_corpus, reference, name, extra):
     """The 4-GPU layouts of a node against the one-GPU curve, within the 2-GPU tests' bound (a global batch of 8
