@@ -205,7 +205,7 @@ def test_compiled_layers_draw_the_eager_dropout_masks(monkeypatch):
     own = loss_and_grads(GPTModel(compiled), compiled)
     assert (own[0] - reference[0]).abs().max() > 1e-3, "inductor's own dropout drew the eager masks"
     monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", "fallback_random")
-    with pytest.raises(ValueError, match="MDS_INDUCTOR_OPTIONS is not JSON"):
+    with pytest.raises(ValueError, match="MDS_INDUCTOR_OPTIONS='fallback_random' is not JSON"):
         GPTModel(compiled)
 
 
