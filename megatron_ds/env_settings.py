@@ -18,7 +18,9 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class SettingError(ValueError):
@@ -30,18 +32,18 @@ class SettingError(ValueError):
 
 
 @dataclass(frozen=True)
-class Setting:
+class Setting(Generic[T]):
     """One MDS_* variable: ``parse`` turns its text into the value (ValueError saying what it must be when it
     cannot), ``default`` stands for unset or empty, ``kind`` says the accepted form in words, ``doc`` why it
     exists."""
 
     name: str
     kind: str
-    default: Any
-    parse: Callable[[str], Any]
+    default: T
+    parse: Callable[[str], T]
     doc: str
 
-    def get(self, env: Mapping[str, str] | None = None) -> Any:
+    def get(self, env: Mapping[str, str] | None = None) -> T:
         """The value in ``env`` (default: os.environ, read now)."""
         raw = (os.environ if env is None else env).get(self.name, "")
         if raw == "":
@@ -137,63 +139,63 @@ def _rank_seconds(raw: str) -> tuple[int, float]:
 # ---------------------------------------------------------------- the variables
 
 # -- launch and site (runtime/)
-PROFILE = Setting(
+PROFILE: Setting[str | None] = Setting(
     "MDS_PROFILE", "profile name", None, _text,
     doc="the site profile (NCCL/RCCL environment, CPU binding) when --profile is not given, instead of detecting "
         "one; the launcher sets it for the ranks it spawns so that they do not detect again")
-PROFILE_PATH = Setting(
+PROFILE_PATH: Setting[tuple[str, ...]] = Setting(
     "MDS_PROFILE_PATH", "directories, os.pathsep-separated", (), _list(os.pathsep),
     doc="more directories of site profiles, searched before the source tree's and the installed ones")
-CPU_BIND = Setting(
+CPU_BIND: Setting[bool] = Setting(
     "MDS_CPU_BIND", "none|0|1", True, _cpu_bind,
     doc="none (or 0) turns off the profile's CPU binding of the ranks, for sites whose scheduler binds them itself")
-RANK_LD_PRELOAD = Setting(
+RANK_LD_PRELOAD: Setting[tuple[str, ...]] = Setting(
     "MDS_RANK_LD_PRELOAD", "libraries, colon-separated", (), _list(":"),
     doc="libraries preloaded into training ranks only, ahead of the user's LD_PRELOAD (the MS-AMP image's "
         "libmsamp_dist.so, MSCCL's libnccl.so), so tools and the launcher itself run without them")
-SUPERVISED = Setting(
+SUPERVISED: Setting[bool] = Setting(
     "MDS_SUPERVISED", "0|1", False, _flag,
     doc="set by the launcher in the ranks it spawns: their launcher flags were applied already (internal)")
-WATCHDOG_DIR = Setting(
+WATCHDOG_DIR: Setting[str | None] = Setting(
     "MDS_WATCHDOG_DIR", "directory", None, _text,
     doc="set by the node supervisor: where each rank writes its progress and stacks; unset, a rank watches "
         "itself (internal)")
-TEST_SLOW_RANK = Setting(
+TEST_SLOW_RANK: Setting[tuple[int, float] | None] = Setting(
     "MDS_TEST_SLOW_RANK", "RANK:SECONDS", None, _rank_seconds,
     doc="test hook: that rank sleeps SECONDS per step in its data path, to make a straggler")
-PATCH_MANIFEST = Setting(
+PATCH_MANIFEST: Setting[str | None] = Setting(
     "MDS_PATCH_MANIFEST", "file", None, _text,
     doc="the image's record of the patches applied at build (set by the image recipes), printed by "
         "`entrypoint doctor`; unset, doctor looks at the default path")
-IMAGE_FLAVOUR = Setting(
+IMAGE_FLAVOUR: Setting[str] = Setting(
     "MDS_IMAGE_FLAVOUR", "cpu|cuda|rocm|msamp", "", _text,
     doc="which image this is (set by the image recipes): the requirements `entrypoint doctor --strict` enforces "
         "by default; an unknown name counts as unset")
 
 # -- training (training/)
-SIGNAL_GRACE = Setting(
+SIGNAL_GRACE: Setting[float] = Setting(
     "MDS_SIGNAL_GRACE", "seconds", 300.0, _seconds,
     doc="with train --exit-signal-handler: seconds the supervisor gives the ranks after forwarding a TERM, so "
         "that they can finish the step and save, before it kills them")
-PEAK_TFLOPS = Setting(
+PEAK_TFLOPS: Setting[float | None] = Setting(
     "MDS_PEAK_TFLOPS", "TFLOP/s", None, _positive_number,
     doc="the device's dense peak for MFU where --peak-tflops is not given (devices the table does not know, CPU)")
 
 # -- model and parallel layers (model/, parallel/)
-INDUCTOR_OPTIONS = Setting(
+INDUCTOR_OPTIONS: Setting[dict | None] = Setting(
     "MDS_INDUCTOR_OPTIONS", "JSON object", None, json_object,
     doc="extra inductor config for the compiled layers (applied last), for trying inductor switches that have no "
         "TORCHINDUCTOR_ variable, e.g. '{\"fallback_random\": false}'")
-TP_COLLECTIVES = Setting(
+TP_COLLECTIVES: Setting[str] = Setting(
     "MDS_TP_COLLECTIVES", "functional|inplace", "", _choice("functional", "inplace"),
     doc="forces one kind of TP collective everywhere (default: torch's functional ones inside compiled graphs, "
         "c10d's in eager code); inplace refuses compiling TP > 1 (pytorch#180642); for tests and "
         "bench/compile_tp_probe.py. Read at the first collective of the process")
-ALLOW_TP_COMPILE = Setting(
+ALLOW_TP_COMPILE: Setting[bool] = Setting(
     "MDS_ALLOW_TP_COMPILE", "0|1", False, _flag,
     doc="1 compiles TP > 1 layers even with MDS_TP_COLLECTIVES=inplace, to reproduce torch's bug "
         "(bench/compile_tp_probe.py)")
-FUSED_CROSS_ENTROPY = Setting(
+FUSED_CROSS_ENTROPY: Setting[bool | None] = Setting(
     "MDS_FUSED_CROSS_ENTROPY", "0|1", None, _flag,
     doc="0 turns the compiled (fused) cross-entropy kernels off, 1 forces them (CPU tests); unset: on with CUDA")
 
