@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-TP_COLLECTIVES = "MDS_TP_COLLECTIVES"  # parallel/mappings.py: "inplace" forces the c10d calls compile mis-routes
-ALLOW_TP_COMPILE = "MDS_ALLOW_TP_COMPILE"  # =1: compile TP layers even then (bench/compile_tp_probe.py shows the bug)
+from megatron_ds.env_settings import ALLOW_TP_COMPILE, TP_COLLECTIVES
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +30,7 @@ def compile_problem(tp: int = 1) -> str | None:
     """
     if _torch_problem() is not None:
         return _torch_problem()
-    if tp > 1 and os.environ.get(TP_COLLECTIVES) == "inplace" and os.environ.get(ALLOW_TP_COMPILE) != "1":
-        return (f"not with --tensor-model-parallel-size {tp} and {TP_COLLECTIVES}=inplace: torch mis-routes the "
+    if tp > 1 and TP_COLLECTIVES.get() == "inplace" and not ALLOW_TP_COMPILE.get():
+        return (f"not with --tensor-model-parallel-size {tp} and {TP_COLLECTIVES.name}=inplace: torch mis-routes the "
                 "gradients of in-place collectives inside compiled autograd Functions (pytorch#180642)")
     return None

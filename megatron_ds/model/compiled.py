@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import getpass
 import importlib
-import json
 import os
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 import torch
 
 from megatron_ds import compile_costs
+from megatron_ds.env_settings import INDUCTOR_OPTIONS
 
 _failure: str | None = None  # why compiling failed in this process (then everything runs eager)
 _first_call: float | None = None  # seconds of the first compiled call: tracing and lowering both graphs
@@ -62,32 +62,6 @@ def first_call_seconds() -> float | None:
 LAYER_OPTIONS = {"fallback_random": True}
 
 
-INDUCTOR_OPTIONS_VAR = "MDS_INDUCTOR_OPTIONS"
-
-
-def parse_inductor_options(text: str) -> dict:
-    """Inductor config from a JSON object, e.g. '{"fallback_random": true}' (empty: none). ValueError says the rule
-    broken; the caller names where the text came from."""
-    if not text.strip():
-        return {}
-    try:
-        options = json.loads(text)
-    except ValueError as err:
-        raise ValueError(f"is not JSON ({err}): {text!r}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"must be a JSON object of inductor config names, got {text!r}")
-    return options
-
-
-def extra_inductor_options() -> dict:
-    """Inductor config from MDS_INDUCTOR_OPTIONS: for trying inductor's switches that have no TORCHINDUCTOR_
-    environment variable."""
-    try:
-        return parse_inductor_options(os.environ.get(INDUCTOR_OPTIONS_VAR, ""))
-    except ValueError as err:
-        raise ValueError(f"{INDUCTOR_OPTIONS_VAR} {err}") from None
-
-
 def compile_errors() -> tuple[type[BaseException], ...]:
     """What torch.compile raises when compiling fails (not the computation's own errors)."""
     from torch._dynamo.exc import TorchDynamoException
@@ -121,13 +95,13 @@ def _fall_back(err: BaseException) -> None:
 
 
 class CompiledForward:
-    """``fn`` through torch.compile (with LAYER_OPTIONS, then inductor ``options``, then MDS_INDUCTOR_OPTIONS);
-    ``fn`` itself once compiling has failed in this process."""
+    """``fn`` through torch.compile (with LAYER_OPTIONS, then inductor ``options``, then MDS_INDUCTOR_OPTIONS:
+    env_settings.INDUCTOR_OPTIONS); ``fn`` itself once compiling has failed in this process."""
 
     def __init__(self, fn, options: dict | None = None):
         self.eager = fn
         self.compiled = None
-        options = {**LAYER_OPTIONS, **(options or {}), **extra_inductor_options()}
+        options = {**LAYER_OPTIONS, **(options or {}), **(INDUCTOR_OPTIONS.get() or {})}
         if _failure is None:
             try:
                 self.compiled = torch.compile(fn, options=options)

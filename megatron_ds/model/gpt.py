@@ -52,7 +52,7 @@ from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulys
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.compiled import CompiledForward
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_ds.parallel.layers import (ColumnParallelLinear, LocalGEMM, RowParallelLinear, VocabParallelEmbedding,
+from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          seeded_normal, sequence_parallel_dropout, tp_replicated)
 from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
                                            reduce_scatter_sequence, tp_rank, tp_size)
@@ -138,7 +138,7 @@ class SelfAttention(nn.Module):
         self.rotary_dim = config.rotary_dim
         self.recompute_core = False  # set by assign_recompute (selective granularity)
         common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype)
+                      params_dtype=config.params_dtype, overlap=config.tp_comm_overlap)
         self.qkv = ColumnParallelLinear(h, q_size + 2 * kv_size, splits=[q_size, kv_size, kv_size],
                                         init=_init(config, layer_number, "attention.qkv"), **common)
         self.core = CoreAttention(config.attention_backend, config.attention_dropout, config.params_dtype)
@@ -219,7 +219,7 @@ class MLP(nn.Module):
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype)
+                      params_dtype=config.params_dtype, overlap=config.tp_comm_overlap)
         self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, splits=[f, f] if self.swiglu else None,
                                         init=_init(config, layer_number, "mlp.fc1"), **common)
         self.fc2 = RowParallelLinear(f, h, init=_init(config, layer_number, "mlp.fc2", scaled=True), **common)
@@ -240,7 +240,9 @@ class TransformerLayer(nn.Module):
     ``layer_number`` counts from 1 (Megatron) and seeds this layer's weights; ``tp_group`` splits
     its heads and ffn (None: TP=1). ``recompute`` (set by ``assign_recompute``): "full" recomputes
     the block in backward, "selective" only its core attention (non-reentrant checkpoints); with
-    ``torch_compile`` its norms, GeLU, dropout and residual adds run as fused kernels.
+    ``torch_compile`` its norms, GeLU, dropout and residual adds run as fused kernels. The config's options
+    are applied as the layer is built: ``tp_comm_overlap`` goes to its parallel linears, and with ``halves`` or
+    ``torch_compile`` chooses the forward it runs (``body``); nothing is set on the layer afterwards.
     """
 
     def __init__(self, config: GPTConfig, layer_number: int, tp_group=None, sp_group=None):
@@ -255,21 +257,18 @@ class TransformerLayer(nn.Module):
         self.post_attention_norm = Norm(config, group)
         self.mlp = MLP(config, layer_number, group)
         self.recompute = recompute_mode(config, layer_number - 1)
-        if config.tp_comm_overlap == "pipeline":  # asynchronous TP fuses an all-gather with a bias-free GEMM only
-            for linear in self.modules():
-                if isinstance(linear, ColumnParallelLinear) and isinstance(linear.local, LocalGEMM):
-                    linear.local.bias_apart = True
-        if config.tp_comm_overlap == "chunked":  # each sequence-parallel GEMM split by the ranks' chunks
-            for linear in self.modules():
-                if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
-                    linear.chunked = True
-        if config.tp_comm_overlap == "halves":  # the micro batch's two halves interleaved
-            self._forward = self._halves_forward
-        if config.torch_compile:  # one graph for every layer: parameters are graph inputs, not constants
-            keep_rank_stream_core_eager()
-            prepare_group(config.tp_comm_overlap, group)
-            # eager again, with one warning, if compiling fails
-            self._forward = CompiledForward(self._forward, inductor_options(config.tp_comm_overlap))
+        self.body = self._body(config)
+
+    def _body(self, config: GPTConfig):
+        """The forward this layer runs, chosen once from its config: ``--tp-comm-overlap halves`` interleaves the
+        micro batch's two halves; ``--torch-compile`` compiles it (one graph for every layer: parameters are graph
+        inputs, not constants), and runs it eager again, with one warning, if compiling fails."""
+        body = self._halves_forward if config.tp_comm_overlap == "halves" else self._forward
+        if not config.torch_compile:
+            return body
+        keep_rank_stream_core_eager()
+        prepare_group(config.tp_comm_overlap, self.group)
+        return CompiledForward(body, inductor_options(config.tp_comm_overlap))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -289,7 +288,7 @@ class TransformerLayer(nn.Module):
         under TP with dropout they run eagerly between two graphs (SelfAttention.core_for), and a graph
         boundary between A's projection and its scatter's consumer would wait for the scatter there."""
         if x.size(1) < 2:  # nothing to split
-            return TransformerLayer._forward(self, x)
+            return self._forward(x)
         attention, core = self.attention, self.attention.core_for()
         xa, xb = x.tensor_split(2, dim=1)
         qa = attention.heads(self.input_norm(xa))
@@ -312,8 +311,8 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
 
 
 def recompute_mode(config: GPTConfig, index: int) -> str | None:

@@ -23,12 +23,12 @@ on chunks, as they do on torch < 2.5. Both paths compute every element with the 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+from megatron_ds.env_settings import FUSED_CROSS_ENTROPY
 from megatron_ds.parallel.mappings import tp_rank, tp_size
 from megatron_ds.compile_costs import FirstCallTimer
 from megatron_ds.torch_support import compile_problem
@@ -130,10 +130,8 @@ _compile_failed = False
 
 def fused_default(logits: torch.Tensor) -> bool:
     """Fused by default on CUDA; MDS_FUSED_CROSS_ENTROPY=0 turns it off, =1 forces it (tests on CPU)."""
-    setting = os.environ.get("MDS_FUSED_CROSS_ENTROPY", "")
-    if setting in ("0", "1"):
-        return setting == "1"
-    return logits.is_cuda
+    forced = FUSED_CROSS_ENTROPY.get()
+    return logits.is_cuda if forced is None else forced
 
 
 def _run_fused(name: str, *args) -> torch.Tensor | None:

@@ -5,8 +5,10 @@ keeps only this rank's slice. Given the same init, TP=N holds exactly the slices
 so the two are equal by construction (at the cost of drawing the full matrix once; on the GPU when training
 there: ``weights_drawn_on``).
 
-With ``chunked`` set (``--tp-comm-overlap chunked``, by TransformerLayer) a sequence-parallel linear splits its
-GEMM by the ranks' sequence chunks so its collective runs beside a GEMM (parallel/chunked.py).
+The column- and row-parallel linears take the ``--tp-comm-overlap`` mode (``overlap``, parallel/overlap.py) when
+they are built: under ``chunked`` a sequence-parallel linear splits its GEMM by the ranks' sequence chunks so its
+collective runs beside a GEMM (parallel/chunked.py); under ``pipeline`` a column-parallel linear adds its bias after
+the GEMM, for torch's asynchronous TP. Other modes change nothing here.
 
 Parameter attributes, read by the optimizer side (DeepSpeed's grad-norm, checkpoint converters):
 - ``tensor_model_parallel``: sliced over TP; ``partition_dim`` and ``partition_splits`` say how
@@ -137,13 +139,12 @@ class LocalGEMM(nn.Linear):
     ``bias_apart``: add the bias after the GEMM instead of inside it (addmm), for torch's asynchronous TP,
     which fuses an all-gather with a plain GEMM only (parallel/overlap.py)."""
 
-    bias_apart = False
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, bias_apart: bool = False):
         nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.register_parameter("bias", bias)
+        self.bias_apart = bias_apart
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias_apart and self.bias is not None:
@@ -169,11 +170,12 @@ class ColumnParallelLinear(nn.Module):
     ``splits`` declares a fused weight made of chunks (e.g. q, k, v sizes) each split on its own.
     Input: [s, b, in] replicated (or [s/tp, b, in] sequence shards when ``sequence_parallel``,
     gathered here). Output: [s, b, out/tp], or the full [s, b, out] with ``gather_output``.
+    ``overlap``: the ``--tp-comm-overlap`` mode (``chunked`` and ``pipeline`` change this layer; see the top).
     """
 
     def __init__(self, input_size: int, output_size: int, *, init: Init, group=None, bias: bool = True,
                  splits: Sequence[int] | None = None, sequence_parallel: bool = False,
-                 gather_output: bool = False, params_dtype: torch.dtype = torch.float32):
+                 gather_output: bool = False, params_dtype: torch.dtype = torch.float32, overlap: str | None = None):
         super().__init__()
         splits = list(splits or [output_size])
         if sum(splits) != output_size:
@@ -181,13 +183,14 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and len(splits) > 1:
             raise ValueError("gather_output is for a single (unfused) weight: gathered chunks would interleave")
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
-        self.chunked = False
+        self.chunked = overlap == "chunked"
         weight = _param(_slice(init((output_size, input_size)), splits, 0, group), params_dtype,
                         tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
         local_bias = (_param(torch.zeros(output_size // tp_size(group)), params_dtype,
                              tensor_model_parallel=True, partition_dim=0, partition_splits=splits)
                       if bias else None)
-        self.local = LocalGEMM(weight, local_bias)  # the bias is per output column: it goes with the GEMM
+        # the bias is per output column: it goes with the GEMM (after it, for asynchronous TP's fused gather + GEMM)
+        self.local = LocalGEMM(weight, local_bias, bias_apart=overlap == "pipeline")
         self._register_load_state_dict_pre_hook(_rename_legacy_keys(("weight", "bias")))
 
     @property
@@ -212,14 +215,16 @@ class RowParallelLinear(nn.Module):
 
     Input: [s, b, in/tp] (the output of a ColumnParallelLinear). Output: [s, b, out] summed over TP,
     or [s/tp, b, out] sequence shards (reduce-scatter) when ``sequence_parallel``. The bias is
-    replicated and added after the reduction.
+    replicated and added after the reduction. ``overlap``: the ``--tp-comm-overlap`` mode (``chunked`` changes this
+    layer; see the top).
     """
 
     def __init__(self, input_size: int, output_size: int, *, init: Init, group=None, bias: bool = True,
-                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 overlap: str | None = None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.chunked = False
+        self.chunked = overlap == "chunked"
         weight = _param(_slice(init((output_size, input_size)), [input_size], 1, group), params_dtype,
                         tensor_model_parallel=True, partition_dim=1, partition_splits=[input_size])
         self.local = LocalGEMM(weight, None)  # a partial sum: the bias is added once, after the reduction

@@ -22,30 +22,37 @@ reproduces it with the c10d calls (bench/compile_tp_probe.py --cpu: compiled gra
 some gradients zero) and not with the functional ones. DeepSpeed#8491 is the same class of bug. Torch 2.1 keeps
 the c10d calls (it cannot compile the layer). Gloo sums 16-bit floats in fp32, as before.
 ``MDS_TP_COLLECTIVES=functional|inplace`` forces one kind everywhere (inplace: the c10d calls), for tests and
-the probe.
+the probe; it is read at the first collective of the process and kept (``forced_kind``).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from megatron_ds.torch_support import TP_COLLECTIVES, compile_problem
+from megatron_ds.env_settings import TP_COLLECTIVES
+from megatron_ds.torch_support import compile_problem
 
-_FORCED = os.environ.get(TP_COLLECTIVES, "")  # "", "functional" or "inplace": read once, at import
-if _FORCED not in ("", "functional", "inplace"):
-    raise ValueError(f"{TP_COLLECTIVES} must be functional or inplace, got {_FORCED!r}")
 # torch 2.1 cannot compile the layer (nor has torch.compiler.is_compiling), so it keeps the c10d calls
 _IS_COMPILING = getattr(torch.compiler, "is_compiling", None) if compile_problem() is None else None
+_forced: str | None = None  # MDS_TP_COLLECTIVES once read: "", "functional" or "inplace"
+
+
+def forced_kind(*, reread: bool = False) -> str:
+    """The kind MDS_TP_COLLECTIVES forces ("" for none), read from the environment at the first call and kept, so
+    each collective pays one global lookup (a compiled graph: a guard on it); ``reread`` reads it again (tests)."""
+    global _forced
+    if _forced is None or reread:
+        _forced = TP_COLLECTIVES.get()
+    return _forced
 
 
 def _functional() -> bool:
     """Whether this call takes torch's functional collectives: under dynamo's trace (where torch compiles), else
     c10d's; dynamo reads ``is_compiling()`` as a constant, so a compiled graph holds only the functional branch."""
-    if _FORCED:
-        return _FORCED == "functional"
+    forced = _forced if _forced is not None else forced_kind()
+    if forced:
+        return forced == "functional"
     return _IS_COMPILING is not None and _IS_COMPILING()
 
 

@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from megatron_ds.env_settings import RANK_LD_PRELOAD, SUPERVISED
 from megatron_ds.runtime import profiles
 from megatron_ds.runtime.discovery import DiscoveryError, RankInfo, as_spawned, discover, rank_env
 from megatron_ds.runtime.profiles import Profile, ProfileError
@@ -66,9 +67,6 @@ class Plan:
         return [as_spawned(self.info, local, self.nproc) for local in range(self.nproc)]
 
 
-SUPERVISED_ENV = "MDS_SUPERVISED"  # set in the ranks spawn_ranks starts: their launcher flags were ours to apply
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -94,7 +92,7 @@ def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
     else:
         nproc, why = 1, "no GPU visible"
     if info.source == "env":
-        if env.get(SUPERVISED_ENV) != "1" and info.rank == 0:  # our own spawned ranks inherit both flags
+        if not SUPERVISED.get(env) and info.rank == 0:  # our own spawned ranks inherit both flags
             ignored = [flag for flag, given in (("--nproc-per-node", nproc_per_node is not None),
                                                 ("--max-restarts", max_restarts > 0)) if given]
             if ignored:
@@ -157,7 +155,7 @@ def rank_ld_preload(env: Mapping[str, str]) -> str | None:
     """LD_PRELOAD for rank processes: MDS_RANK_LD_PRELOAD first (e.g. the MS-AMP image's libmsamp_dist.so
     and its NCCL), then whatever the user preloads. Only ranks get it: the launcher, builds and shells
     must not load MS-AMP's NCCL interposer."""
-    extra = [lib for lib in env.get("MDS_RANK_LD_PRELOAD", "").split(":") if lib]
+    extra = list(RANK_LD_PRELOAD.get(env))
     if not extra:
         return None
     user = [lib for lib in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if lib and lib not in extra]
@@ -195,7 +193,7 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
     failure up to `max_restarts` times; returns the launcher's exit code."""
     base = dict(os.environ)
     prepare_env(plan, base, strict=strict)
-    base[SUPERVISED_ENV] = "1"
+    base[SUPERVISED.name] = "1"  # their launcher flags were ours to apply
     print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
     policy = RestartPolicy(max_restarts)
     while True:

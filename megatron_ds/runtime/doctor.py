@@ -22,6 +22,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
+from megatron_ds.env_settings import IMAGE_FLAVOUR, PATCH_MANIFEST
 from megatron_ds.runtime import profiles
 
 MANIFEST_DEFAULT = "/opt/mds/patch-manifest.json"
@@ -357,7 +358,7 @@ def _network(env) -> tuple[Check, list[dict]]:
 
 
 def _manifest(env) -> tuple[Check, object]:
-    path = env.get("MDS_PATCH_MANIFEST") or MANIFEST_DEFAULT
+    path = PATCH_MANIFEST.get(env) or MANIFEST_DEFAULT
     if not os.path.exists(path):
         return Check("patch-manifest", None, detail=f"{path}: none (not an mds image build)"), None
     try:
@@ -373,7 +374,7 @@ def _manifest(env) -> tuple[Check, object]:
 # ---------------------------------------------------------------- report
 
 def _default_flavour() -> str:
-    flavour = os.environ.get("MDS_IMAGE_FLAVOUR", "")
+    flavour = IMAGE_FLAVOUR.get()
     return flavour if flavour in FLAVOURS else ""
 
 

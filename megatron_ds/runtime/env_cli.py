@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 
+from megatron_ds.env_settings import PROFILE
 from megatron_ds.runtime import bootstrap, profiles
 from megatron_ds.runtime.discovery import DiscoveryError, rank_env
 from megatron_ds.runtime.launch_cli import add_launch_flags, apply_overrides
@@ -52,7 +53,7 @@ def describe_plan(plan: bootstrap.Plan, env: dict[str, str]) -> dict:
         })
     variables = [{"name": k, "value": v, "why": _rank_source(plan)} for k, v in rank_env(plan.ranks()[0]).items()]
     variables += [{"name": s.name, "value": s.value, "why": s.why} for s in settings]
-    variables.append({"name": "MDS_PROFILE", "value": plan.profile.name, "why": f"profile chosen ({plan.profile_why})"})
+    variables.append({"name": PROFILE.name, "value": plan.profile.name, "why": f"profile chosen ({plan.profile_why})"})
     return {
         "source": plan.info.source, "mode": "spawn" if plan.spawn else "rank",
         "nproc_per_node": plan.nproc, "nproc_why": plan.nproc_why,

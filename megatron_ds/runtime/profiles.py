@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ds import env_settings
+
 PLATFORMS = ("cuda", "rocm")
 
 
@@ -64,7 +66,7 @@ class Setting:
 
 def profile_dirs(env: Mapping[str, str] = os.environ) -> list[Path]:
     """Where profiles live: $MDS_PROFILE_PATH, the source tree, then the installed data files."""
-    dirs = [Path(p) for p in env.get("MDS_PROFILE_PATH", "").split(os.pathsep) if p]
+    dirs = [Path(p) for p in env_settings.PROFILE_PATH.get(env)]
     roots = [Path(__file__).resolve().parents[2], Path(sys.prefix) / "share" / "mds",
              Path(site.getuserbase()) / "share" / "mds"]  # source tree, pip install, pip install --user
     dirs += [root / platform / "profiles" for root in roots for platform in PLATFORMS]
@@ -190,8 +192,8 @@ def choose(name: str | None, env: Mapping[str, str] = os.environ) -> tuple[Profi
     """--profile, else $MDS_PROFILE, else detection; returns the profile and why it was chosen."""
     if name:
         return get_profile(name, env), "--profile"
-    if env.get("MDS_PROFILE"):
-        return get_profile(env["MDS_PROFILE"], env), "MDS_PROFILE"
+    if env_settings.PROFILE.is_set(env):
+        return get_profile(env_settings.PROFILE.get(env), env), env_settings.PROFILE.name
     return detect(env), "detected"
 
 
@@ -239,7 +241,7 @@ def apply(profile: Profile, env: dict[str, str]) -> list[Setting]:
     for setting in decided:
         if setting.applied:
             env[setting.name] = setting.value
-    env["MDS_PROFILE"] = profile.name  # spawned ranks use the same profile without detecting again
+    env[env_settings.PROFILE.name] = profile.name  # spawned ranks use the same profile without detecting again
     return decided
 
 
@@ -295,8 +297,8 @@ def online_cpus() -> set[int]:
 
 def cpus_for(profile: Profile, local_rank: int, env: Mapping[str, str] = os.environ) -> tuple[tuple[int, ...] | None, str]:
     """The CPU set of a local rank under this profile and why (None: leave the binding alone)."""
-    if env.get("MDS_CPU_BIND", "").lower() in ("none", "0", "off", "no"):
-        return None, "MDS_CPU_BIND=none"
+    if not env_settings.CPU_BIND.get(env):
+        return None, f"{env_settings.CPU_BIND.name}=none"
     if not profile.cpus_by_local_rank:
         return None, f"profile {profile.name} has no CPU map"
     if local_rank >= len(profile.cpus_by_local_rank):

@@ -25,8 +25,9 @@ import threading
 import time
 from collections import deque
 
+from megatron_ds.env_settings import WATCHDOG_DIR
 from megatron_ds.runtime import flight_recorder
-from megatron_ds.runtime.watchdog import (DUMP_SIGNAL, ENV_DIR, HANG_EXIT, Record, Timeouts, progress_path,
+from megatron_ds.runtime.watchdog import (DUMP_SIGNAL, HANG_EXIT, Record, Timeouts, progress_path,
                                           stacks_path)
 
 RECENT_STEPS = 20  # step times kept for the median
@@ -54,7 +55,7 @@ class Progress:
     @classmethod
     def start(cls, rank: int, timeouts: Timeouts) -> Progress:
         """Report to the node supervisor when one set $MDS_WATCHDOG_DIR, else watch ourselves."""
-        directory = os.environ.get(ENV_DIR)
+        directory = WATCHDOG_DIR.get()
         flight_recorder.enable(os.environ, directory)  # read when the process group is created, after this
         return cls(rank, timeouts, directory, self_watch=directory is None)
 

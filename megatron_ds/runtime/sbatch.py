@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from megatron_ds import __version__
+from megatron_ds.env_settings import PROFILE
 from megatron_ds.runtime import profiles
 from megatron_ds.runtime.profiles import ProfileError
 
@@ -127,7 +128,7 @@ def render(a, profile) -> str:
             f"# {a.nodes} node(s) x {ntasks} task(s), one rank per task; the entrypoint finds its rank itself.",
             "set -euo pipefail"]
     if a.profile:
-        body.append(f"export MDS_PROFILE={shlex.quote(a.profile)}")
+        body.append(f"export {PROFILE.name}={shlex.quote(a.profile)}")
     if a.runtime == "apptainer":
         body.append('CONTAINER_CMD="$(command -v apptainer || command -v singularity)"')
     if a.scheduler == "slurm":
@@ -144,7 +145,7 @@ def render(a, profile) -> str:
         words = ["mpiexec", "-n", _Shell('"$((NNODES * NRANKS_PER_NODE))"'), "--ppn", _Shell('"${NRANKS_PER_NODE}"'),
                  _Shell('--depth="${NDEPTH}"'), "--cpu-bind", "depth"]
         if a.profile:
-            words += ["--env", f"MDS_PROFILE={a.profile}"]
+            words += ["--env", f"{PROFILE.name}={a.profile}"]
     segments = [words, _container(a, profile), [a.entrypoint, *command]]
     launch = " \\\n    ".join(" ".join(_quote(w) for w in seg) for seg in segments if seg)
     return "\n".join(header + [""] + body + [launch, ""])

@@ -24,29 +24,26 @@ Test hook: MDS_TEST_SLOW_RANK=RANK:SECONDS makes that rank sleep SECONDS per ste
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from statistics import median
 
 import torch
 import torch.distributed as dist
 
+from megatron_ds.env_settings import TEST_SLOW_RANK
+
 MIN_STEP_SHARE = 0.1  # a straggler's excess over the others' median must be >= this share of the step time
-SLOW_RANK_ENV = "MDS_TEST_SLOW_RANK"  # test hook only: "RANK:SECONDS"
 
 
-def slowdown_for_tests(rank: int, env=os.environ) -> float:
+def slowdown_for_tests(rank: int, env: Mapping[str, str] | None = None) -> float:
     """Seconds this rank sleeps per step in its data path ($MDS_TEST_SLOW_RANK=RANK:SECONDS; tests only)."""
-    value = env.get(SLOW_RANK_ENV)
-    if not value:
+    slow = TEST_SLOW_RANK.get(env)
+    if slow is None:
         return 0.0
-    try:
-        slow_rank, seconds = value.split(":")
-        return float(seconds) if int(slow_rank) == rank else 0.0
-    except ValueError:
-        raise ValueError(f"${SLOW_RANK_ENV}={value!r}: expected RANK:SECONDS, e.g. 1:0.2") from None
+    slow_rank, seconds = slow
+    return seconds if slow_rank == rank else 0.0
 
 
 class OwnWork:

@@ -28,7 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ds.runtime.watchdog import ENV_DIR, HANG_EXIT, Verdict, Watchdog
+from megatron_ds.env_settings import WATCHDOG_DIR
+from megatron_ds.runtime.watchdog import HANG_EXIT, Verdict, Watchdog
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOPPING = (signal.SIGTERM, signal.SIGINT)
@@ -138,7 +139,7 @@ class Supervisor:
         if self.tee_dir:
             Path(self.tee_dir).mkdir(parents=True, exist_ok=True)
         for spec in self.specs:
-            env = spec.env if self.watchdog is None else {**spec.env, ENV_DIR: str(self.watchdog.directory)}
+            env = spec.env if self.watchdog is None else {**spec.env, WATCHDOG_DIR.name: str(self.watchdog.directory)}
             self.procs.append(subprocess.Popen(
                 spec.argv, env=env, start_new_session=True, preexec_fn=_child_setup(spec.cpus),
                 stdout=subprocess.PIPE if piped else None, stderr=subprocess.STDOUT if piped else None))

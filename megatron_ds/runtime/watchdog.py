@@ -36,7 +36,6 @@ FLOOR = 180.0  # seconds: the shortest adaptive step allowance
 FACTOR = 20.0  # x the median recent step time
 MEASURED_STEPS = 3  # steps timed before the step allowance applies (earlier ones may compile)
 SLOW_PHASE = 1800.0  # seconds: start-up, evaluation, saving, first steps
-ENV_DIR = "MDS_WATCHDOG_DIR"  # set by the supervisor: where ranks write progress and stacks
 RECORD_BYTES = 256  # each progress record is rewritten in place at this fixed size
 RECORDER_WAIT = 5.0  # seconds to wait for the flight recorder note after a rank's stacks arrived
 RECORDER_NOTE = b"flight recorder: "  # the line a rank's dump thread appends to its stacks file (progress.py)

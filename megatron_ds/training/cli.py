@@ -6,6 +6,7 @@ import os
 import sys
 from typing import NoReturn
 
+from megatron_ds.env_settings import SIGNAL_GRACE
 from megatron_ds.training import memory_estimate
 from megatron_ds.training.arguments import ConfigError, parse_args, print_notices, validate
 
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
     from megatron_ds.runtime.bootstrap import become_rank
 
     # With --exit-signal-handler a TERM means "finish the step and save": give the ranks time for it.
-    signal_grace = float(os.environ.get("MDS_SIGNAL_GRACE", "300")) if args.exit_signal_handler else None
+    signal_grace = SIGNAL_GRACE.get() if args.exit_signal_handler else None
     code = become_rank(["train", *argv], nproc_per_node=args.nproc_per_node, profile=args.profile, plan=plan,
                        signal_grace=signal_grace, max_restarts=args.max_restarts)
     if code is not None:

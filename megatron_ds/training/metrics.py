@@ -17,10 +17,12 @@ import math
 import os
 import resource
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from megatron_ds.env_settings import PEAK_TFLOPS
 from megatron_ds.runtime.stragglers import RankTimes
 
 # Dense bf16 peak FLOP/s per device (per GCD for MI250X), by a substring of the device name.
@@ -28,12 +30,13 @@ PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 31
               ("MI250", 181e12)]
 
 
-def peak_flops(override_tflops: float | None = None, env=os.environ) -> float | None:
+def peak_flops(override_tflops: float | None = None, env: Mapping[str, str] | None = None) -> float | None:
     """Peak FLOP/s of this rank's device: flag > MDS_PEAK_TFLOPS > known GPU table > None (unknown/CPU)."""
     if override_tflops is not None:
         return override_tflops * 1e12
-    if env.get("MDS_PEAK_TFLOPS"):
-        return float(env["MDS_PEAK_TFLOPS"]) * 1e12
+    peak_tflops = PEAK_TFLOPS.get(env)
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(torch.cuda.current_device())
         for key, flops in PEAK_FLOPS:

@@ -205,7 +205,7 @@ def test_compiled_layers_draw_the_eager_dropout_masks(monkeypatch):
     own = loss_and_grads(GPTModel(compiled), compiled)
     assert (own[0] - reference[0]).abs().max() > 1e-3, "inductor's own dropout drew the eager masks"
     monkeypatch.setenv("MDS_INDUCTOR_OPTIONS", "fallback_random")
-    with pytest.raises(ValueError, match="MDS_INDUCTOR_OPTIONS is not JSON"):
+    with pytest.raises(ValueError, match="MDS_INDUCTOR_OPTIONS='fallback_random' is not JSON"):
         GPTModel(compiled)
 
 
@@ -252,6 +252,35 @@ def test_a_stage_builds_only_its_layers_with_the_full_models_weights():
     head = EmbeddingStage(config, positions=False)
     assert torch.equal(head.weight, full.embedding.weight)
     assert not torch.equal(full.layers[0].mlp.fc1.weight, full.layers[1].mlp.fc1.weight)
+
+
+def test_layer_options_come_from_the_config_as_the_layer_is_built():
+    """--tp-comm-overlap reaches the parallel linears through their constructors and chooses, with --torch-compile,
+    the forward a layer runs (``body``): nothing sets them on a built layer."""
+    from megatron_ds.model.compiled import CompiledForward
+    from megatron_ds.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron_ds.torch_support import compile_problem
+
+    def linears(layer):
+        return [m for m in layer.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+    plain = TransformerLayer(GPTConfig(**BASE), 1)
+    assert plain.body == plain._forward
+    assert not any(m.chunked or m.local.bias_apart for m in linears(plain))
+    halves = TransformerLayer(GPTConfig(**dict(BASE, tp_comm_overlap="halves")), 1)
+    assert halves.body == halves._halves_forward
+    if compile_problem():  # torch 2.1: the compiled modes are refused up front
+        return
+    sp = dict(BASE, sequence_parallel=True, torch_compile=True)
+    chunked = TransformerLayer(GPTConfig(**dict(sp, tp_comm_overlap="chunked")), 1)
+    assert isinstance(chunked.body, CompiledForward) and chunked.body.eager == chunked._forward
+    assert [m.chunked for m in linears(chunked)] == [True] * 4
+    assert not any(m.local.bias_apart for m in linears(chunked))
+    pipeline = TransformerLayer(GPTConfig(**dict(sp, tp_comm_overlap="pipeline")), 1)
+    assert [m.local.bias_apart for m in linears(pipeline)] == [True, False, True, False]  # qkv, proj, fc1, fc2
+    assert not any(m.chunked for m in linears(pipeline))
+    compiled_halves = TransformerLayer(GPTConfig(**dict(BASE, torch_compile=True, tp_comm_overlap="halves")), 1)
+    assert compiled_halves.body.eager == compiled_halves._halves_forward
 
 
 def test_init_std_scaled_for_residual_projections():

@@ -81,15 +81,15 @@ def tp2_worker() -> dict:
     out = {}
     for sp, chunked in LAYOUTS:
         # Column-parallel, input replicated (or sequence shards under SP), output our columns.
-        col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, splits=SPLITS, sequence_parallel=sp)
-        col.chunked = chunked
+        overlap = "chunked" if chunked else None
+        col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, splits=SPLITS, sequence_parallel=sp,
+                                   overlap=overlap)
         x = (shard(d["x"], 0, r) if sp else d["x"]).clone().requires_grad_()
         y = col(x)
         (y * shard(d["dy_out"], -1, r, SPLITS)).sum().backward()
         out[f"col_{layout(sp, chunked)}"] = (y.detach(), x.grad, grads_of(col))
         # Row-parallel, input our columns, output summed (or reduce-scattered under SP).
-        row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=sp)
-        row.chunked = chunked
+        row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=sp, overlap=overlap)
         x = shard(d["x_wide"], -1, r).clone().requires_grad_()
         y = row(x)
         (y * (shard(d["dy_in"], 0, r) if sp else d["dy_in"])).sum().backward()
@@ -199,9 +199,8 @@ def tp3_chunked_worker() -> dict:
     st = state.get_state()
     group, r = st.tp_group, st.tp_rank
     d = inputs()
-    col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, sequence_parallel=True)
-    row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=True)
-    col.chunked = row.chunked = True
+    col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, sequence_parallel=True, overlap="chunked")
+    row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=True, overlap="chunked")
     x = d["x"].chunk(3)[r].clone().requires_grad_()
     y = col(x)
     (y * d["dy_out"].chunk(3, -1)[r]).sum().backward()

@@ -12,6 +12,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
+from megatron_ds.env_settings import INDUCTOR_OPTIONS, SettingError
 from megatron_ds.training.arguments import rules_fp8
 from megatron_ds.training.arguments.flags import ConfigError
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
@@ -461,13 +462,11 @@ def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
 def _inductor_options(args: argparse.Namespace) -> None:
     """MDS_INDUCTOR_OPTIONS is read where the layers compile: a malformed value is refused here, before any rank
     starts, instead of on every rank at model construction."""
-    from megatron_ds.model.compiled import INDUCTOR_OPTIONS_VAR, parse_inductor_options
-
     if args.torch_compile:
         try:
-            parse_inductor_options(os.environ.get(INDUCTOR_OPTIONS_VAR, ""))
-        except ValueError as err:
-            raise ConfigError(INDUCTOR_OPTIONS_VAR, str(err)) from None
+            INDUCTOR_OPTIONS.get()
+        except SettingError as err:
+            raise ConfigError(err.name, f"{err.value!r} {err.problem}") from None
 
 
 def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
