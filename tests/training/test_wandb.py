@@ -136,6 +136,7 @@ def test_two_ranks_one_run_from_the_last_rank(tmp_path, demo_corpus, layout):
     assert_history_is_the_metrics_file(run["history"], metrics)
 
 
+@pytest.mark.slow
 def test_without_wandb_the_flag_exits_2_before_any_rank_starts(tmp_path, demo_corpus):
     """A `wandb` that cannot be imported (a module ahead on PYTHONPATH raising ImportError, as a missing one
     does): exit 2 at validation, naming the flag and the extra to install."""
