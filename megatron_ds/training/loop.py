@@ -24,7 +24,7 @@ from megatron_ds.runtime.stragglers import OwnWork, RankTimes, gather, slowdown_
 from megatron_ds.runtime.watchdog import Timeouts
 from megatron_ds.training.arguments import pad_vocab_size
 from megatron_ds.training.data import MicroBatches, build_datasets
-from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops
+from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops, wandb_settings
 from megatron_ds.training.state import TrainState
 
 
@@ -251,7 +251,8 @@ class Trainer:
             enabled=self.parallel.rank == 0, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
             seq_length=args.seq_length, flops_per_token=self.config.flops_per_token(), world_size=args.world_size,
             peak=peak_flops(args.peak_tflops), metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
-            log_interval=args.log_interval, straggler_factor=args.straggler_factor)
+            log_interval=args.log_interval, straggler_factor=args.straggler_factor, rank=self.parallel.rank,
+            wandb=wandb_settings(args))
         # each rank's own work per step, gathered at log points to name a straggler (runtime/stragglers.py)
         self.own_work = OwnWork(self.device, slowdown=slowdown_for_tests(self.parallel.rank),
                                 enabled=args.world_size > 1 and not self.pipelined and args.straggler_factor > 0)

@@ -8,6 +8,13 @@ With more than one rank, each training record also names the slowest rank by its
 (runtime/stragglers.py says what that is): `slowest_rank`, `slowest_rank_time_s`, `median_rank_time_s`
 (the other ranks' median) and `straggler_rank` (the slowest rank when it is more than
 --straggler-factor x that median, else null; a warning line names it).
+
+Weights & Biases (--wandb-project, Megatron-LM's flags; WandbRun below) gets the TensorBoard scalars, the same
+values at the same iterations, from one rank: the last one (world size - 1), the rank Megatron-LM starts its
+W&B run on (global_vars._set_wandb_writer: ``args.rank == args.world_size - 1``). That rank is also the last
+pipeline stage, where the loss is computed, but rank 0 measures the step time and memory that TensorBoard and
+the JSONL file report: so at each log point rank 0 sends its scalars to the last rank (one point-to-point
+message), and W&B shows exactly what TensorBoard shows.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import torch
 
 from megatron_ds.env_settings import PEAK_TFLOPS
 from megatron_ds.runtime.stragglers import RankTimes
+
+TRAIN_SCALARS = ("lm_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+                 "mem_gib")
 
 # Dense bf16 peak FLOP/s per device (per GCD for MI250X), by a substring of the device name.
 PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12), ("MI250X", 191.5e12),
@@ -68,21 +78,75 @@ def _finite_or_none(x):
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
 
 
-class MetricsLogger:
-    """Rank-0 sink for training and evaluation metrics (other ranks construct it with enabled=False).
+def wandb_rank(world_size: int) -> int:
+    """The rank that owns the W&B run: the last one, as in Megatron-LM."""
+    return world_size - 1
 
-    It knows the cadence, --log-interval, which the loop asks through ``due(iteration)``.
+
+def wandb_settings(args, env=os.environ) -> dict | None:
+    """WandbRun's arguments from the flags (None: no --wandb-project, no W&B).
+
+    Flags win; what they leave out wandb reads from its own variables (WANDB_NAME, WANDB_DIR, WANDB_ENTITY,
+    WANDB_MODE, WANDB_API_KEY, ...). The save directory: --wandb-save-dir, else WANDB_DIR, else <--save>/wandb
+    (Megatron-LM's default), else wandb's own (./wandb).
+    """
+    if not getattr(args, "wandb_project", None):
+        return None
+    save_dir = args.wandb_save_dir
+    if not save_dir and not env.get("WANDB_DIR") and getattr(args, "save", None):
+        save_dir = os.path.join(args.save, "wandb")
+    config = {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (str, int, float, bool, type(None)))
+              or (isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) for x in v))}
+    return dict(project=args.wandb_project, name=args.wandb_exp_name or None, save_dir=save_dir or None,
+                entity=getattr(args, "wandb_entity", None) or None, config=config)
+
+
+class WandbRun:
+    """One W&B run, on the last rank: TensorBoard's scalars with the iteration as W&B's step.
+
+    ``train/lm_loss_vs_samples`` (TensorBoard's x axis: consumed samples) becomes a W&B metric whose step is
+    ``train/consumed_samples``, logged beside it. WANDB_MODE=offline writes the run under the save directory
+    (``wandb/offline-run-*``) for ``wandb sync`` later.
+    """
+
+    def __init__(self, *, project: str, name: str | None, save_dir: str | None, entity: str | None, config: dict):
+        import wandb
+
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, dir=save_dir, entity=entity, config=config)
+        self.run.define_metric("train/lm_loss_vs_samples", step_metric="train/consumed_samples")
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Rank-0 sink for training and evaluation metrics (other ranks construct it with enabled=False), and
+    the W&B run on the last rank (``wandb``: wandb_settings(args); see the module's docstring).
+
+    It knows the cadence, --log-interval, which the loop asks through ``due(iteration)``. Every rank calls
+    log_train and log_eval at the same points (rank 0 sends, the last rank receives W&B's scalars there).
     """
 
     def __init__(self, *, enabled: bool, train_iters: int, global_batch_size: int, seq_length: int,
                  flops_per_token: float, world_size: int, peak: float | None, metrics_file: str | None,
                  tensorboard_dir: str | None, log_interval: int = 1, straggler_factor: float = 1.5,
-                 stream=sys.stdout):
+                 stream=sys.stdout, rank: int = 0, wandb: dict | None = None):
         self.enabled, self.log_interval, self.straggler_factor = enabled, log_interval, straggler_factor
         self.train_iters, self.global_batch_size, self.seq_length = train_iters, global_batch_size, seq_length
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, peak
         self.stream = stream
-        self._file = self._tb = None
+        self._file = self._tb = self._wandb = None
+        # with W&B over several ranks: rank 0 sends its scalars to the last rank at each log point
+        self._wandb_peer = None
+        if wandb is not None and world_size > 1 and rank in (0, wandb_rank(world_size)):
+            self._wandb_peer = wandb_rank(world_size) if rank == 0 else 0
+        if wandb is not None and rank == wandb_rank(world_size):
+            self._wandb = WandbRun(**{**wandb, "config": {**wandb["config"], "wandb_rank": rank}})
         if not enabled:
             return
         if metrics_file:
@@ -123,6 +187,9 @@ class MetricsLogger:
 
     def log_train(self, s: StepStats, skipped: int = 0) -> dict:
         record = self.train_record(s)
+        scalars = {f"train/{key}": record[key] for key in TRAIN_SCALARS if record[key] is not None}
+        self._to_wandb({**scalars, "train/consumed_samples": s.consumed_samples,
+                        "train/lm_loss_vs_samples": s.lm_loss}, s.iteration)
         if not self.enabled:
             return record
         parts = [
@@ -153,10 +220,8 @@ class MetricsLogger:
                   f"the others wait for it", file=self.stream, flush=True)
         self._write(record)
         if self._tb is not None:
-            for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s",
-                        "tflops_per_gpu", "mfu", "mem_gib"):
-                if record[key] is not None:
-                    self._tb.add_scalar(f"train/{key}", record[key], s.iteration)
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, s.iteration)
             self._tb.add_scalar("train/lm_loss_vs_samples", s.lm_loss, s.consumed_samples)
         return record
 
@@ -165,6 +230,7 @@ class MetricsLogger:
         record = {"iteration": iteration, "consumed_samples": consumed_samples, "val_loss": val_loss, "val_ppl": ppl}
         if split != "validation":
             record["split"] = split
+        self._to_wandb({f"{split}/lm_loss": val_loss, f"{split}/ppl": ppl}, iteration)
         if not self.enabled:
             return record
         bar = "-" * 100
@@ -180,7 +246,24 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
 
+    def _to_wandb(self, scalars: dict, step: int) -> None:
+        """Rank 0's scalars into the W&B run on the last rank (sent across when those are two ranks)."""
+        if self._wandb_peer is not None:
+            import torch.distributed as dist
+
+            if self._wandb is None:  # rank 0
+                dist.send_object_list([(scalars, step)], dst=self._wandb_peer)
+                return
+            received = [None]
+            dist.recv_object_list(received, src=self._wandb_peer)
+            scalars, step = received[0]
+        if self._wandb is not None:
+            self._wandb.log(scalars, step)
+
     def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self._file is not None:
             self._file.close()
         if self._tb is not None:

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -259,3 +260,34 @@ def test_readme_images_table_has_a_row_per_target():
         row = next((line for line in table.splitlines() if line.startswith(f"| `make {target}`")), None)
         assert row, f"README Images table: no row for make {target}"
         assert row.count("`") >= 4, f"README Images row for {target} lacks the command that verifies it"
+
+
+def _extra(name: str) -> list[str]:
+    """pyproject.toml's optional-dependencies list `name` (requirement strings)."""
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][name]
+
+
+def test_every_image_installs_the_wandb_and_image_extras(tmp_path):
+    """install-deps.sh installs the core, `image` and `wandb` (--wandb-project works in every image), and every
+    recipe runs it on the repository's pyproject.toml."""
+    script = (ROOT / "docker" / "steps" / "install-deps.sh").read_text()
+    program = re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.S)
+    assert program, "install-deps.sh: no requirement-list program"
+    (tmp_path / "requirements.py").write_text(program.group(1))
+    out = subprocess.run([sys.executable, str(tmp_path / "requirements.py"), str(ROOT / "pyproject.toml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    installed = out.stdout.split()
+    tomllib = pytest.importorskip("tomllib")
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert installed == [*core, *_extra("image"), *_extra("wandb")]
+    assert any(r.startswith("wandb") for r in installed)
+    for recipe in [*DOCKERFILES, "apptainer/lumi.def"]:
+        assert re.search(r"install-deps\.sh /opt/mds/(deps|src)/pyproject\.toml", (ROOT / recipe).read_text()), \
+            f"{recipe}: does not run install-deps.sh on pyproject.toml"
+
+
+def test_make_test_installs_wandb():
+    """`make test` installs megatron_ds[test]: the W&B tests run against a real wandb."""
+    assert set(_extra("wandb")) <= set(_extra("test"))

@@ -312,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", help="append one JSON object per logged iteration / evaluation")
     g.add_argument("--peak-tflops", type=float,
                    help="peak dense TFLOP/s per device for MFU (env MDS_PEAK_TFLOPS; default by device)")
+    g.add_argument("--wandb-project", help="log to Weights & Biases under this project, from the last rank "
+                   "(needs megatron_ds[wandb]; WANDB_MODE=offline keeps the run on disk)")
+    g.add_argument("--wandb-exp-name", help="the W&B run name (default: WANDB_NAME, else one W&B makes up)")
+    g.add_argument("--wandb-save-dir", help="where W&B keeps the run's files (default: WANDB_DIR, else <--save>/wandb, "
+                   "else ./wandb)")
+    g.add_argument("--wandb-entity", help="the W&B team or user (default: WANDB_ENTITY, else your default entity)")
 
     g = p.add_argument_group("hangs and restarts", "a rank with no progress within its allowance is a hang: "
                              "stacks dumped, the stuck rank named, exit 124 (README: Launching)")

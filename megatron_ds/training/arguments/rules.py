@@ -365,7 +365,7 @@ def _tokenizer_inputs(args: argparse.Namespace) -> None:
 
 
 def _environment(args: argparse.Namespace) -> None:
-    """What this machine must have for the flags: the attention kernel, a GPU for fp16, tensorboard, FP8."""
+    """What this machine must have for the flags: the attention kernel, a GPU for fp16, tensorboard, wandb, FP8."""
     rules_fp8.fp8_environment(args)
     if args.attention_backend == "flash2":  # asked explicitly: it must be able to run here
         from megatron_ds.model.attention import resolve_backend
@@ -385,6 +385,18 @@ def _environment(args: argparse.Namespace) -> None:
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir", "needs the tensorboard package (pip install tensorboard, or "
                           "megatron_ds[tensorboard])")
+    if args.wandb_project:
+        try:  # imported, not only found: a shadowed or broken install fails here, not in the last rank
+            import wandb  # noqa: F401
+        except ImportError as err:
+            raise ConfigError("--wandb-project", f"needs the wandb package, which cannot be imported here ({err}): "
+                              "pip install 'megatron_ds[wandb]' (or pip install wandb), or leave --wandb-project "
+                              "out") from None
+    else:
+        given = [flag for flag in ("--wandb-exp-name", "--wandb-save-dir", "--wandb-entity")
+                 if getattr(args, flag[2:].replace("-", "_"))]
+        if given:
+            args.notices.append(f"note: {', '.join(given)} ignored: W&B logging is on with --wandb-project only")
 
 
 def _hangs_and_restarts(args: argparse.Namespace) -> None:
