@@ -42,6 +42,12 @@ NODROP="--hidden-dropout 0 --attention-dropout 0"
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
 keep() { local n; for n in "$@"; do cp bench/results/"$n"*.json "$OUT"/ 2>/dev/null; done; }  # as each lands
+bundle() {  # $1: a record name, the rest: records of one claim's runs -> one file bench/results/$1.json
+  local name=$1; shift
+  $PYTHON -c 'import json, sys; from pathlib import Path
+json.dump({"kind": "bundle", "name": sys.argv[1], "runs": {Path(p).stem: json.load(open(p)) for p in sys.argv[2:]}},
+          open(f"bench/results/{sys.argv[1]}.json", "w"), indent=1)' "$name" "$@" && keep "$name"
+}
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
 }
@@ -169,35 +175,29 @@ stage_fp8_loss() {  # torchao FP8 against bf16, 300 steps on the embedded corpus
     "llama_style_1_3b_s1024_fp8_loss300_seed4321_$TAG"
 }
 
-stage_startup() {  # compile start-up of one layer (GPT-1.3B, GPT-13B), then GPT-6.7B TP=2+SP from start to first step
-  local S="--steps 3 --warmup-steps 1"
-  OUT="$LOGS" t 150 $PYTHON bench/compile_startup.py
-  cp "$LOGS/compile_startup.json" "bench/results/compile_startup_$TAG.json"
-  ds_patches
-  t 300 $B $S --name "gpt6_7b_startup_gpu_draw_$TAG" -- $GPT67_TP2SP
-  keep "compile_startup_$TAG" "gpt6_7b_startup_gpu_draw_$TAG"
-}
-
-stage_node_startup() {  # start to iteration 1, cold then warm compile cache: GPT-6.7B TP=2+SP; GPT-1.3B FP8 cold
+stage_startup() {  # start to iteration 1: GPT-6.7B TP=2+SP with a cold then a warm compile cache, GPT-1.3B FP8 on
+  # one GPU with a cold one; the runs go into one record, startup_$TAG
   local S="--steps 4 --warmup-steps 2" cold="/tmp/mds_compile_cold_$TAG" fp8="/tmp/mds_compile_fp8_$TAG"
+  local runs="$LOGS/startup_$TAG"
   ds_patches
-  rm -rf "$cold" "$fp8"
-  TORCHINDUCTOR_CACHE_DIR=$cold t 300 $B $S --name "node_startup_gpt6_7b_tp2_sp_cold_$TAG" -- $GPT67_TP2SP
-  TORCHINDUCTOR_CACHE_DIR=$cold t 150 $B $S --name "node_startup_gpt6_7b_tp2_sp_warm_$TAG" -- $GPT67_TP2SP
-  CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=$fp8 t 150 $B --steps 8 --warmup-steps 3 \
-    --name "node_startup_gpt1_3b_fp8_cold_$TAG" -- $GPT13_16 --fp8-format hybrid
+  rm -rf "$cold" "$fp8" "$runs"
+  TORCHINDUCTOR_CACHE_DIR=$cold t 300 $B $S --results-dir "$runs" --name gpt6_7b_tp2_sp_cold -- $GPT67_TP2SP
+  TORCHINDUCTOR_CACHE_DIR=$cold t 150 $B $S --results-dir "$runs" --name gpt6_7b_tp2_sp_warm -- $GPT67_TP2SP
+  CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=$fp8 t 150 $B --steps 8 --warmup-steps 3 --results-dir "$runs" \
+    --name gpt1_3b_fp8_cold -- $GPT13_16 --fp8-format hybrid
+  bundle "startup_$TAG" "$runs"/*.json
 }
 
 stage_node_restart() {  # SIGKILL of rank 1 at step 7 under --max-restarts 1, checkpoints every 5 steps on /dev/shm:
   # the time from the kill to step 6 logged again, and the resumed losses against two uninterrupted runs
   ds_patches
-  t 560 $PYTHON bench/node_restart.py --name "node_restart_gpt6_7b_tp2_sp_$TAG" --steps 8 --kill-at 7 \
+  t 560 $PYTHON bench/node.py restart --name "node_restart_gpt6_7b_tp2_sp_$TAG" --steps 8 --kill-at 7 \
     --save-interval 5 --timeout 250 -- $GPT67_TP2SP
 }
 
 stage_two_nodes() {  # two node launchers on one host as a 2-node Slurm step against one launcher: GPT-1.3B TP=2
   ds_patches
-  t 400 $PYTHON bench/two_nodes.py --name "two_nodes_gpt1_3b_tp2_$TAG" -- $GPT13 --micro-batch-size 8 \
+  t 400 $PYTHON bench/node.py two-nodes --name "two_nodes_gpt1_3b_tp2_$TAG" -- $GPT13 --micro-batch-size 8 \
     --global-batch-size 16 --zero-stage 1 --tensor-model-parallel-size 2 --hidden-dropout 0 --attention-dropout 0
 }
 

@@ -1,4 +1,4 @@
-"""bench/node_restart.py on the CPU: a rank SIGKILLed at step 7 under --max-restarts 1 comes back from the step-5
+"""bench/node.py restart on the CPU: a rank SIGKILLed at step 7 under --max-restarts 1 comes back from the step-5
 checkpoint, step 6 is logged again, timed from the kill, and the resumed losses equal the uninterrupted run's."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 @pytest.mark.slow
 def test_restart_harness_times_the_way_back_and_compares_the_losses(tmp_path):
-    cmd = [sys.executable, str(REPO / "bench" / "node_restart.py"), "--name", "cpu_restart", "--steps", "10",
+    cmd = [sys.executable, str(REPO / "bench" / "node.py"), "restart", "--name", "cpu_restart", "--steps", "10",
            "--kill-at", "7", "--save-interval", "5", "--timeout", "240", "--checkpoint-dir", str(tmp_path),
            "--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results"), "--", *TINY]
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)

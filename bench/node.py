@@ -1,15 +1,22 @@
-"""In-job restart at size: SIGKILL one rank mid-run under --max-restarts 1 and time the way back.
+"""One node's behaviour at size: an in-job restart, and two node launchers presented as two nodes.
 
-    python bench/node_restart.py --name node_restart_gpt6_7b_tp2 --steps 10 --kill-at 7 --save-interval 5 -- \\
+    python bench/node.py restart --name node_restart_gpt6_7b_tp2 --steps 8 --kill-at 7 --save-interval 5 -- \\
         --preset GPT6_7B --bf16 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 --nproc-per-node 2 \\
         --tensor-model-parallel-size 2 --sequence-parallel
+    python bench/node.py two-nodes --name two_nodes_gpt1_3b_tp2 -- --preset GPT1_3B --bf16 \\
+        --micro-batch-size 8 --global-batch-size 16 --tensor-model-parallel-size 2 --zero-stage 1
 
-Two uninterrupted runs first (their largest relative loss difference is the bound a resumed run is held to), then
-the run with --save/--load in --checkpoint-dir (a tmpfs such as /dev/shm by default: the disk's speed is not the
-question), a checkpoint every --save-interval steps and --max-restarts 1; when iteration --kill-at is logged, rank
---kill-rank is SIGKILLed (its pid from the supervisor's progress files). ``restart_s``: from the kill to the
-resumed run's first logged iteration (the one after the checkpoint). The record compares the resumed losses with
-the first uninterrupted run's against that bound. The harness stops each run once its last step is logged.
+restart: two uninterrupted runs first (their largest relative loss difference is the bound a resumed run is held
+to), then the run with --save/--load in --checkpoint-dir (a tmpfs such as /dev/shm by default: the disk's speed is
+not the question), a checkpoint every --save-interval steps and --max-restarts 1; when iteration --kill-at is
+logged, rank --kill-rank is SIGKILLed (its pid from the supervisor's progress files). ``restart_s``: from the kill
+to the resumed run's first logged iteration (the one after the checkpoint). The harness stops each run once its
+last step is logged.
+
+two-nodes: the GPUs of the machine are split between two launchers (CUDA_VISIBLE_DEVICES), each spawning its half
+(--nproc-per-node) with the variables a task of `srun -N2 --ntasks-per-node=1` sees (SLURM_NODEID 0 and 1, one
+master), so the multi-node rendezvous, global ranks and groups are the real ones; against one launcher of all the
+GPUs, the same flags. The record holds both loss curves, their largest relative difference and both tokens/s.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -94,8 +102,22 @@ def _worst(a: dict[int, float], b: dict[int, float], steps) -> float | None:
     return max((abs(a[i] - b[i]) / abs(b[i]) for i in common), default=None) if common else None
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_env(node: int, gpus: list[str], port: int) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(node), "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "0", "SLURM_NODEID": str(node), "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "localhost,localhost",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+
+
+def restart(argv: list[str]) -> int:
+    """SIGKILL one rank mid-run under --max-restarts 1 and time the way back (module docstring)."""
+    parser = argparse.ArgumentParser(prog="bench/node.py restart")
     parser.add_argument("--name", required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=7)
@@ -108,7 +130,7 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("MDS_BENCH_WORK", "/tmp/mds_bench")))
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("flags", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     flags = [f for f in args.flags if f != "--"]
     work = args.work_dir / args.name
     data = args.data_prefix
@@ -157,6 +179,78 @@ def main() -> int:
           f"{restarted['restart_s']} s after the kill; resumed losses within {worst} of the uninterrupted run "
           f"(two uninterrupted runs differ by {bound}) -> {path}", flush=True)
     return 0 if ok else 1
+
+
+
+def two_nodes(argv: list[str]) -> int:
+    """Two node launchers as a 2-node Slurm step against one launcher of all the GPUs (module docstring)."""
+    parser = argparse.ArgumentParser(prog="bench/node.py two-nodes")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible, an even number)")
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("MDS_BENCH_WORK", "/tmp/mds_bench")))
+    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("flags", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    flags = [f for f in args.flags if f != "--"]
+    import torch
+
+    gpus = [str(i) for i in range(args.gpus or torch.cuda.device_count())]
+    half = len(gpus) // 2
+    if half == 0 or len(gpus) % 2:
+        print(f"two-nodes: needs an even number of GPUs (2 or more), found {len(gpus)}; the CPU twin of this "
+              "check is tests/training/test_two_nodes.py", file=sys.stderr)
+        return 2
+    work = args.work_dir / args.name
+    work.mkdir(parents=True, exist_ok=True)
+    data = synthetic_dataset(args.work_dir / "synthetic_gpt2vocab_8M", 8_000_000, GPT2_VOCAB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    runs = {}
+    for kind in ("one_launcher", "two_launchers"):
+        (work / kind).mkdir(exist_ok=True)
+        metrics = [work / kind / f"metrics{n}.jsonl" for n in range(2)]
+        for m in metrics:
+            m.unlink(missing_ok=True)
+        start = time.monotonic()
+        if kind == "one_launcher":
+            cmds = [(train_command([*flags, "--nproc-per-node", str(len(gpus))], steps=args.steps,
+                                   metrics_file=metrics[0], data_prefix=data), {})]
+        else:
+            port = _free_port()
+            cmds = [(train_command([*flags, "--nproc-per-node", str(half)], steps=args.steps, metrics_file=metrics[n],
+                                   data_prefix=data), _node_env(n, gpus[n * half:(n + 1) * half], port))
+                    for n in range(2)]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, **extra}, stdout=open(work / kind / f"log{n}.txt", "w"),
+                                  stderr=subprocess.STDOUT) for n, (cmd, extra) in enumerate(cmds)]
+        codes = [p.wait(timeout=args.timeout) for p in procs]
+        steps = _records(metrics[0])
+        runs[kind] = {"exit_codes": codes, "wall_s": round(time.monotonic() - start, 1),
+                      "commands": [c for c, _ in cmds], "node_env": [e for _, e in cmds],
+                      "losses": [r["lm_loss"] for r in steps],
+                      "tokens_per_s": sorted(r["tokens_per_s"] for r in steps[2:])[len(steps[2:]) // 2]
+                      if len(steps) > 2 else None}
+        print(f"[two_nodes] {kind}: exit {codes}, losses {runs[kind]['losses']}, tokens/s "
+              f"{runs[kind]['tokens_per_s']}", flush=True)
+    a, b = runs["one_launcher"]["losses"], runs["two_launchers"]["losses"]
+    same = len(a) == len(b) == args.steps
+    worst = max((abs(x - y) / abs(y) for x, y in zip(b, a)), default=None) if same else None
+    record = {"kind": "two_nodes", "name": args.name, "status": "ok" if same and all(
+        c == 0 for r in runs.values() for c in r["exit_codes"]) else "failed", "flags": flags,
+        "gpus": len(gpus), "runs": runs, "max_rel_loss_diff": worst, "environment": environment()}
+    path = write_record(record, args.results_dir, args.name)
+    print(f"[two_nodes] {args.name}: {record['status']}; max relative loss difference {worst} -> {path}", flush=True)
+    return 0 if record["status"] == "ok" else 1
+
+
+
+def main() -> int:
+    commands = {"restart": restart, "two-nodes": two_nodes}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return commands[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":
