@@ -29,7 +29,7 @@ import ckpt_helpers as helpers
 from ckpt_helpers import ENTRYPOINT, GPT, run
 from ckpt_helpers import metrics
 
-from megatron_ds.checkpoint.reshard import needed_bytes, room_problem
+from megatron_ds.convert.reshard import needed_bytes, room_problem
 
 pytestmark = pytest.mark.slow
 

@@ -297,7 +297,7 @@ def test_export_llama_style_tp2_matches_our_logits(demo_corpus, tmp_path):
 
 
 def test_export_refuses_what_hf_cannot_represent(reference, tmp_path):
-    from megatron_ds.checkpoint import hf
+    from megatron_ds.convert import hf_export as hf
     from megatron_ds.checkpoint.metadata import CheckpointError
 
     args = json.loads((reference("single") / "ckpt" / "iter_0000010" / "mds_checkpoint.json").read_text())["args"]

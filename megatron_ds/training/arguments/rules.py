@@ -496,8 +496,3 @@ def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
                           "visible here (reorder runs wherever the layers compile)")
     args.tp_comm_overlap = mode
 
-
-def pad_vocab_size(orig: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: round up to a multiple of divisible_by x TP so every TP slice is equal."""
-    multiple = divisible_by * tp
-    return ((orig + multiple - 1) // multiple) * multiple

@@ -110,7 +110,7 @@ def run_ranks(phase: str, spec: dict, world: int, staging: str, timeout: float) 
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_ds.checkpoint.reshard_rank", phase, spec_path],
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_ds.convert.reshard_rank", phase, spec_path],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
     deadline = time.time() + timeout
@@ -204,7 +204,7 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
     """Rewrite the checkpoint in ``load`` (``latest``, or iter_N) at TP x PP x DP (x SP), ZeRO ``zero_stage``
     into the empty directory ``to``; returns the new checkpoint's directory. Nothing is left in ``to``
     (nor created) on failure."""
-    from megatron_ds.checkpoint.convert import checkpoint_directory
+    from megatron_ds.checkpoint.checkpointing import checkpoint_directory
     from megatron_ds.checkpoint.shape import padded_vocab_size
 
     load, to = os.path.abspath(load), os.path.abspath(to)

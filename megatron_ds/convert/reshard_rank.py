@@ -6,7 +6,7 @@ Going through a real DeepSpeed engine at each end means DeepSpeed reads and writ
 per-parameter accessors (``deepspeed.utils.safe_get/set_full_fp32_param``, ``..._optimizer_state``),
 which hand out a parameter's full (TP-local) fp32 value and Adam moments at any ZeRO stage.
 
-Run as ``python -m megatron_ds.checkpoint.reshard_rank gather|scatter SPEC.json`` with the launcher's
+Run as ``python -m megatron_ds.convert.reshard_rank gather|scatter SPEC.json`` with the launcher's
 RANK/WORLD_SIZE/MASTER_* variables; SPEC holds the flags (``args``) and the file paths (reshard.py).
 """
 
