@@ -8,6 +8,7 @@ middle of a save (the driver can make each checkpoint file slow to write), `--ex
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -103,6 +104,11 @@ def test_mismatched_missing_and_partial_loads_are_named(short_run, tmp_path):
     assert "--tensor-model-parallel-size: checkpoint 1, this run 2" in message
     assert "--zero-stage: checkpoint 0, this run 2" in message and "--no-load-optim" in message
     assert "world size: checkpoint 1 ranks, this run 4" in message and "--no-load-rng" in message
+    # the way out, from this run's layout: the reshard command and the directory it writes
+    load = os.path.dirname(os.path.abspath("X"))  # directory="X": a checkpoint `latest` does not name
+    assert message.endswith(f"then train with --load {load}-tp2-pp1-dp2-zero2:\n  entrypoint convert --reshard "
+                            f"--load {load} --iteration 1 --to {load}-tp2-pp1-dp2-zero2 --tensor-model-parallel-size 2 "
+                            "--pipeline-model-parallel-size 1 --data-parallel-size 2 --zero-stage 2")
 
     zero2_dp2 = dict(meta, layout=dict(meta["layout"], zero_stage=2, dp=2, world_size=2))
     with pytest.raises(CheckpointError, match="data-parallel size: checkpoint 2, this run 1; ZeRO stage 2"):
