@@ -7,11 +7,11 @@ never from a layer above; packages that share a layer are independent and may no
   1  runtime, data                              ranks, sites, launching; indexed datasets and tokenizers
   2  parallel                                   process groups and tensor-parallel building blocks
   3  model                                      the GPT, plain torch over our parallel layers
-  4  precision                                  bf16/fp16 and the FP8 engines around the model's GEMMs
-  5  checkpoint                                 checkpoint files: save/load, metadata, split records, shards
-  6  training                                   flags and their rules, building a run, the loop
-  7  convert                                    entrypoint convert: HF/Megatron-DeepSpeed in and out, reshard
-  8  demo                                       make demo
+  4  precision, checkpoint                      bf16/fp16 and the FP8 engines around the model's GEMMs;
+                                                checkpoint files: save/load, metadata, split records, shards
+  5  training                                   flags and their rules, building a run, the loop
+  6  convert                                    entrypoint convert: HF/Megatron-DeepSpeed in and out, reshard
+  7  demo                                       make demo
 
 Besides: runtime knows nothing of models, and model nothing of DeepSpeed.
 Every import counts, a function-level (lazy) one as much as one at the top of a module.
@@ -31,8 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_ds.runtime", "megatron_ds.data"),
     ("megatron_ds.parallel",),
     ("megatron_ds.model",),
-    ("megatron_ds.precision",),
-    ("megatron_ds.checkpoint",),
+    ("megatron_ds.precision", "megatron_ds.checkpoint"),
     ("megatron_ds.training",),
     ("megatron_ds.convert",),
     ("megatron_ds.demo",),
