@@ -193,7 +193,7 @@ class Trainer:
         built, build_seconds = run.built, run.build_seconds
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
         # the built split (None without PP): for the start-up line and the out-of-memory levers
-        args.pipeline_stage_layers = getattr(self.engine.module, "stage_layers", None)
+        self.stage_layers = getattr(self.engine.module, "stage_layers", None)
         self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
@@ -236,7 +236,7 @@ class Trainer:
         """'pipeline engine (stages of 13 | 11 layers)' or 'DeepSpeed engine', for the start-up line."""
         if not self.pipelined:
             return "DeepSpeed engine"
-        split = self.args.pipeline_stage_layers
+        split = self.stage_layers
         return "pipeline engine" + (f" (stages of {' | '.join(map(str, split))} layers)" if split else "")
 
     def _needs_data(self) -> bool:
@@ -385,8 +385,13 @@ def train(args) -> int:
 
     progress = Progress.start(int(os.environ.get("RANK", "0")),
                               Timeouts(args.watchdog_timeout, args.watchdog_slow_phase_timeout))
+    trainer = Trainer(args, progress)
     try:
-        return Trainer(args, progress).run()
+        return trainer.run()
+    except torch.cuda.OutOfMemoryError as err:
+        # the built pipeline's split, for the flags the CLI's message offers (out_of_memory.levers)
+        err.stage_layers = getattr(trainer, "stage_layers", None)
+        raise
     finally:
         progress.close()
         destroy()
