@@ -244,9 +244,14 @@ def way_out(directory: str, metadata: dict, args: Namespace, layout: Layout) -> 
     """The last lines of a layout mismatch: how to load the checkpoint at this run's layout."""
     what = f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp}" + (f" x SP {layout.sp}" if layout.sp > 1 else "") \
         + f", ZeRO-{layout.zero_stage}"
-    if metadata["args"].get("fp16"):
+    # what convert/reshard.py refuses, said here rather than after the user has run it
+    cannot = ("it was trained with --fp16 (fp32 and --bf16 checkpoints reshard)" if metadata["args"].get("fp16") else
+              "it was saved without optimizer state (--no-save-optim)" if not metadata.get("optimizer_saved", True)
+              else "it holds no per-parameter split record (an older mds wrote it)"
+              if metadata.get("splits") is None or metadata.get("model") is None else None)
+    if cannot:
         return (f"`entrypoint convert --reshard` rewrites checkpoints for another layout ({what}), but not this "
-                "one: it was trained with --fp16 (fp32 and --bf16 checkpoints reshard)")
+                f"one: {cannot}")
     command, out = reshard_command(directory, metadata, args, layout)
     return (f"to resume it at this run's layout ({what}), reshard it, then train with --load {shlex.quote(out)}:\n"
             f"  {command}")
