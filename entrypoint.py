@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sbatch": ("megatron_ds.runtime.sbatch", "write a Slurm (pyxis, apptainer, host) or PBS job script that runs an entrypoint command"),
     "preprocess": ("megatron_ds.data.preprocess", "tokenize JSON lines into Megatron indexed datasets (tools/preprocess_data.py flags)"),
     "launch": ("megatron_ds.runtime.launch_cli", "run any command as the ranks of this job (spawn + supervise, or map + exec)"),
-    "convert": ("megatron_ds.checkpoint.convert", "export a checkpoint as a Hugging Face model (TP/PP shards merged), or import one (--from hf) at a chosen TP/PP"),
+    "convert": ("megatron_ds.convert.cli", "export a checkpoint as a Hugging Face model (TP/PP shards merged), or import one (--from hf) at a chosen TP/PP"),
 }
 
 

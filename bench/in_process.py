@@ -21,12 +21,9 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     import torch
 
     from bench.bench_train import GPT2_VOCAB, synthetic_dataset
-    from megatron_ds.data.tokenizers import build_tokenizer
-    from megatron_ds.parallel.state import init_parallel
-    from megatron_ds.precision import from_args as precision_from_args
     from megatron_ds.runtime import profiles
-    from megatron_ds.training.arguments import pad_vocab_size, parse_args, validate
-    from megatron_ds.training.engine import build_engine
+    from megatron_ds.training.arguments import parse_args, validate
+    from megatron_ds.training.build import build_run
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port))):
@@ -45,8 +42,5 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
         after_validate(args)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    state = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          "nccl" if device == "cuda" else "gloo", sp=args.ds_sequence_parallel_size)
-    vocab = pad_vocab_size(build_tokenizer("NullTokenizer", vocab_size=GPT2_VOCAB).vocab_size,
-                           args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    return args, build_engine(args, precision_from_args(args), state, vocab)
+    run = build_run(args, device=torch.device(device), backend="nccl" if device == "cuda" else "gloo", data=False)
+    return args, run.built

@@ -1,4 +1,5 @@
-"""Checkpoint save/load, exact resume, preemption and export.
+"""Checkpoint files: save/load, exact resume, preemption, and the records (metadata, split records, merged
+shards) that megatron_ds.convert reads to export, import and reshard them. Knows nothing of training.
 
 The training loop owns its TrainState and a ``Checkpointer(engine, args)``: ``load(state)`` once at
 start, ``save(state)`` when ``due(iteration)`` (--save-interval) and at exit; the checkpointer

@@ -162,6 +162,23 @@ def save(engine, args: Namespace, state) -> str | None:
     return os.path.join(save_dir, tag)
 
 
+def checkpoint_directory(load: str, iteration: int | None) -> str:
+    """The checkpoint directory that --load DIR [--iteration N] names: iter_N, else the one `latest` names."""
+    if iteration is not None:
+        directory = os.path.join(load, paths.tag_for(iteration))
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"--iteration {iteration}: {directory} does not exist")
+        return directory
+    tag = paths.read_latest(load)
+    if tag is None:
+        what = "does not exist" if not os.path.isdir(load) else "has no 'latest' checkpoint"
+        raise CheckpointError(f"--load {load} {what}")
+    directory = os.path.join(load, tag)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--load {load}: 'latest' names {tag!r} but {directory} does not exist")
+    return directory
+
+
 def resolve(load_dir: str) -> tuple[str, str] | None:
     """(tag, directory) of the checkpoint ``latest`` names in load_dir, or None when there is none."""
     tag = paths.read_latest(load_dir)

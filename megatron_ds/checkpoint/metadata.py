@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from argparse import Namespace
 from dataclasses import asdict, dataclass
+
+from megatron_ds.checkpoint import layout as paths
 
 METADATA_FILE = "mds_checkpoint.json"
 FORMAT = "mds-checkpoint/1"
@@ -26,6 +29,8 @@ MODEL_SHAPE_ARGS = (
 )
 # How the weights are sliced across ranks; a different layout would need resharding.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+# where a layout mismatch points to way_out's lines: `entrypoint convert --reshard` with this run's layout
+RESHARD = "reshard it, below"
 _LEARNED_POSITIONS = "max_position_embeddings"  # sizes a weight only with learned absolute positions
 
 
@@ -180,7 +185,7 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
     for name, key in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp")):
         if saved_layout[key] != getattr(layout, key):
             problems.append(f"--{name.replace('_', '-')}: checkpoint {saved_layout[key]}, this run "
-                            f"{getattr(layout, key)} (resharding is not supported; use the same layout)")
+                            f"{getattr(layout, key)} (the weights are sliced per rank: {RESHARD})")
     saved_split, split = saved_stage_layers(metadata), list(layout.stage_layers or ())
     if load_optim and saved_layout["pp"] == layout.pp > 1 and split and saved_split != split:
         problems.append(f"pipeline stages: the checkpoint's hold {saved_split} layers, this run's {split}; the "
@@ -190,22 +195,63 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
     if load_optim and saved_layout["zero_stage"] > 0 and saved_sp != layout.sp:
         problems.append(f"--ds-sequence-parallel-size: checkpoint {saved_sp}, this run {layout.sp}; ZeRO stage "
                         f"{saved_layout['zero_stage']} partitions the optimizer state over data-parallel x "
-                        f"sequence-parallel ranks (checkpoint DP {saved_layout['dp']} x SP {saved_sp}): rewrite it "
-                        f"for this layout with `entrypoint convert --reshard --data-parallel-size {layout.dp} "
-                        f"--ds-sequence-parallel-size {layout.sp}` (or pass --no-load-optim)")
+                        f"sequence-parallel ranks (checkpoint DP {saved_layout['dp']} x SP {saved_sp}): {RESHARD} "
+                        "(or pass --no-load-optim)")
     elif load_optim and saved_layout["zero_stage"] > 0 and saved_layout["dp"] != layout.dp:
         problems.append(f"data-parallel size: checkpoint {saved_layout['dp']}, this run {layout.dp}; ZeRO stage "
-                        f"{saved_layout['zero_stage']} optimizer partitions need the same data-parallel size "
-                        "(or pass --no-load-optim)")
+                        f"{saved_layout['zero_stage']} optimizer partitions need the same data-parallel size: "
+                        f"{RESHARD} (or pass --no-load-optim)")
     if load_optim and saved_layout["zero_stage"] != layout.zero_stage:
         problems.append(f"--zero-stage: checkpoint {saved_layout['zero_stage']}, this run {layout.zero_stage} "
-                        "(the optimizer state is laid out per stage; pass --no-load-optim to load weights only)")
+                        f"(the optimizer state is laid out per stage: {RESHARD}, or pass --no-load-optim to "
+                        "load weights only)")
     if load_optim and not metadata.get("optimizer_saved", True):
         problems.append("the checkpoint was saved with --no-save-optim: pass --no-load-optim (or --finetune)")
     if load_rng and not metadata.get("rng_saved", True):
         problems.append("the checkpoint was saved with --no-save-rng: pass --no-load-rng (or --finetune)")
     if load_rng and saved_layout["world_size"] != layout.world_size:
         problems.append(f"world size: checkpoint {saved_layout['world_size']} ranks, this run {layout.world_size} "
-                        "(each rank restores its own RNG state; pass --no-load-rng)")
+                        f"(each rank restores its own RNG state; pass --no-load-rng, or {RESHARD})")
     if problems:
-        raise CheckpointError(f"checkpoint {directory} does not match this run:\n  " + "\n  ".join(problems))
+        message = f"checkpoint {directory} does not match this run:\n  " + "\n  ".join(problems)
+        if any(RESHARD in problem for problem in problems):
+            message += "\n" + way_out(directory, metadata, args, layout)
+        raise CheckpointError(message)
+
+
+def reshard_command(directory: str, metadata: dict, args: Namespace, layout: Layout) -> tuple[str, str]:
+    """(the `entrypoint convert --reshard` command that rewrites the checkpoint in ``directory`` at this run's
+    layout, the directory it writes): the run's TP, PP, DP, SP and ZeRO stage, and its
+    --make-vocab-size-divisible-by where that differs from the checkpoint's."""
+    load = os.path.dirname(os.path.abspath(directory))
+    out = f"{load}-tp{layout.tp}-pp{layout.pp}-dp{layout.dp}" + (f"-sp{layout.sp}" if layout.sp > 1 else "") \
+        + f"-zero{layout.zero_stage}"
+    argv = ["entrypoint", "convert", "--reshard", "--load", load]
+    if os.path.basename(directory) != paths.read_latest(load):  # not the one convert reads by default
+        argv += ["--iteration", str(metadata["iteration"])]
+    argv += ["--to", out, "--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size",
+             str(layout.pp), "--data-parallel-size", str(layout.dp)]
+    if layout.sp > 1 or metadata["layout"].get("sp", 1) > 1:
+        argv += ["--ds-sequence-parallel-size", str(layout.sp)]
+    argv += ["--zero-stage", str(layout.zero_stage)]
+    divisible_by = getattr(args, "make_vocab_size_divisible_by", None)
+    if divisible_by is not None and divisible_by != metadata["args"].get("make_vocab_size_divisible_by"):
+        argv += ["--make-vocab-size-divisible-by", str(divisible_by)]
+    return shlex.join(argv), out
+
+
+def way_out(directory: str, metadata: dict, args: Namespace, layout: Layout) -> str:
+    """The last lines of a layout mismatch: how to load the checkpoint at this run's layout."""
+    what = f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp}" + (f" x SP {layout.sp}" if layout.sp > 1 else "") \
+        + f", ZeRO-{layout.zero_stage}"
+    # what convert/reshard.py refuses, said here rather than after the user has run it
+    cannot = ("it was trained with --fp16 (fp32 and --bf16 checkpoints reshard)" if metadata["args"].get("fp16") else
+              "it was saved without optimizer state (--no-save-optim)" if not metadata.get("optimizer_saved", True)
+              else "it holds no per-parameter split record (an older mds wrote it)"
+              if metadata.get("splits") is None or metadata.get("model") is None else None)
+    if cannot:
+        return (f"`entrypoint convert --reshard` rewrites checkpoints for another layout ({what}), but not this "
+                f"one: {cannot}")
+    command, out = reshard_command(directory, metadata, args, layout)
+    return (f"to resume it at this run's layout ({what}), reshard it, then train with --load {shlex.quote(out)}:\n"
+            f"  {command}")

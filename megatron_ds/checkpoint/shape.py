@@ -75,7 +75,7 @@ def gpt_config(args: Namespace, padded_vocab_size: int):
 
 
 def padded_vocab_size(vocab_size: int, args: Namespace) -> int:
-    from megatron_ds.training.arguments.rules import pad_vocab_size
+    from megatron_ds.model.config import pad_vocab_size
 
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     return pad_vocab_size(vocab_size, getattr(args, "make_vocab_size_divisible_by", None) or 128, tp)

@@ -90,6 +90,12 @@ def shape_of(values) -> dict:
     return {name: getattr(values, name) for name in SHAPE_FIELDS}
 
 
+def pad_vocab_size(orig: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round up to a multiple of divisible_by x TP so every TP slice is equal."""
+    multiple = divisible_by * tp
+    return ((orig + multiple - 1) // multiple) * multiple
+
+
 def rotary_dim(head_dim: int, rotary_percent: float) -> int:
     """Dimensions of each head that rotary embeddings rotate (Megatron: int(head dim x --rotary-percent))."""
     return int(head_dim * rotary_percent)

@@ -1,14 +1,11 @@
-"""FP8 training: the options the Megatron / MS-AMP flags give, the engines, and which one runs.
+"""FP8 training: the options the Megatron / MS-AMP flags give and the interface every engine implements.
 
 An engine makes the local matrix multiplies of the transformer layers FP8: the ``local`` child
 (``LocalGEMM``, a plain ``nn.Linear``) of every column/row-parallel linear inside a TransformerLayer.
 The tensor-parallel communication around it, the embedding, the output head and the norms stay in
 the high precision (--bf16 / --fp16). We write no FP8 GEMM or scaling code: the engines are the
-libraries' (fp8_torchao.py, fp8_te.py, fp8_msamp.py), each behind the small interface below.
-
-Selection: --msamp (or --fp8-engine msamp) -> MS-AMP; --fp8-engine te / --transformer-impl
-transformer_engine -> Transformer Engine; --fp8-engine torchao -> torchao; --fp8-engine auto (the
-default) -> Transformer Engine where it can run here, else torchao.
+libraries' (fp8_torchao.py, fp8_te.py, fp8_msamp.py), each behind the small interface below;
+fp8_select.py, above them all, chooses the one that runs.
 """
 
 from __future__ import annotations
@@ -116,38 +113,6 @@ def fp8_requested(args: argparse.Namespace) -> str | None:
     if args.fp8_format is not None:
         return args.fp8_format_flag or "--fp8-format"
     return None
-
-
-def engine_class(name: str) -> type[FP8Engine]:
-    if name == "torchao":
-        from megatron_ds.precision.fp8_torchao import TorchaoEngine
-        return TorchaoEngine
-    if name == "te":
-        from megatron_ds.precision.fp8_te import TransformerEngine
-        return TransformerEngine
-    if name == "msamp":
-        from megatron_ds.precision.fp8_msamp import MSAMPEngine
-        return MSAMPEngine
-    raise ValueError(f"unknown FP8 engine {name!r}; one of {ENGINES}")
-
-
-def engine_name(args: argparse.Namespace) -> str:
-    """Which engine the flags select (see the module docstring); auto resolves on this machine."""
-    if args.msamp:
-        return "msamp"
-    if args.fp8_engine != "auto":
-        return args.fp8_engine
-    if args.transformer_impl == "transformer_engine":
-        return "te"
-    options = options_from_args(args)
-    return "te" if engine_class("te")(options).missing() is None else "torchao"
-
-
-def engine_from_args(args: argparse.Namespace) -> FP8Engine | None:
-    """The FP8 engine the flags ask for, or None without FP8."""
-    if fp8_requested(args) is None:
-        return None
-    return engine_class(engine_name(args))(options_from_args(args))
 
 
 def device_capability() -> tuple[int, int] | None:

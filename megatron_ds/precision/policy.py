@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_ds.precision.fp8 import FP8Engine, engine_from_args
+from megatron_ds.precision.fp8 import FP8Engine
+from megatron_ds.precision.fp8_select import engine_from_args
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def _out_of_memory(args, err: BaseException) -> int:
     index = torch.cuda.current_device()
     return _error(out_of_memory.message(args, err, int(os.environ.get("RANK", "0")), index,
                                         out_of_memory.device_memory(index),
-                                        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
+                                        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                                        stage_layers=getattr(err, "stage_layers", None)))  # set by loop.train
 
 
 def leave_rank(code: int) -> NoReturn:

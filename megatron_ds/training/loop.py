@@ -1,4 +1,5 @@
-"""The training loop: parallel state -> tokenizer -> model/engine -> data -> step, log, eval, save, exit.
+"""The training loop: the run (build.py: parallel state, model, engine, data, checkpointer) -> step, log, eval,
+save, exit.
 
 Runs in every rank (the CLI has already validated the flags and become a rank). Composes the
 pieces of this package; each of them is testable on its own. The loop asks each component when it
@@ -18,12 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ds.checkpoint import Checkpointer, StopAgreement
+from megatron_ds.checkpoint import StopAgreement
 from megatron_ds.runtime.progress import Progress
 from megatron_ds.runtime.stragglers import OwnWork, RankTimes, gather, slowdown_for_tests
 from megatron_ds.runtime.watchdog import Timeouts
-from megatron_ds.training.arguments import pad_vocab_size
-from megatron_ds.training.data import MicroBatches, build_datasets
+from megatron_ds.training.data import MicroBatches
 from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops, wandb_settings
 from megatron_ds.training.state import TrainState
 
@@ -31,20 +31,6 @@ from megatron_ds.training.state import TrainState
 def _log(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        from megatron_ds.parallel.state import local_device_index
-
-        index = local_device_index()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # CPU ranks share the node's cores: more threads than cores makes gloo collectives crawl.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local)))
-    return torch.device("cpu")
 
 
 def _sync(device: torch.device) -> None:
@@ -196,33 +182,18 @@ class Trainer:
         self.progress = progress or Progress.null()  # what the hang watchdog sees (runtime/progress.py)
 
     def setup(self) -> None:
-        from megatron_ds.data.tokenizers import build_tokenizer
-        from megatron_ds.parallel.state import init_parallel
-        from megatron_ds.precision import from_args as precision_from_args
-        from megatron_ds.training.engine import build_engine, unpatched_step_notice
+        from megatron_ds.training.build import build_run, pick_device
+        from megatron_ds.training.engine import unpatched_step_notice
 
         args = self.args
-        self.device = _device()
-        backend = args.distributed_backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
-            # One process: an in-memory store, so no TCP port is needed (nor can collide with another job).
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        self.parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend,
-                                     timeout_minutes=args.distributed_timeout_minutes,
-                                     sp=args.ds_sequence_parallel_size)
-        # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
-        torch.manual_seed(args.seed + 100 * self.parallel.pp_rank)
-        self.tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                         tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
-        self.padded_vocab = pad_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                           args.tensor_model_parallel_size)
-        self.precision = precision_from_args(args)
-        start = time.perf_counter()
-        built = build_engine(args, self.precision, self.parallel, self.padded_vocab)
-        build_seconds = time.perf_counter() - start
+        self.device = pick_device()
+        run = build_run(args, device=self.device)  # process groups, model, engine, data, checkpointer
+        self.parallel, self.tokenizer, self.padded_vocab, self.precision = (run.parallel, run.tokenizer,
+                                                                            run.padded_vocab, run.precision)
+        built, build_seconds = run.built, run.build_seconds
         self.engine, self.pipelined, self.config = built.engine, built.pipelined, built.config
         # the built split (None without PP): for the start-up line and the out-of-memory levers
-        args.pipeline_stage_layers = getattr(self.engine.module, "stage_layers", None)
+        self.stage_layers = getattr(self.engine.module, "stage_layers", None)
         self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
@@ -244,7 +215,7 @@ class Trainer:
         if args.attention_backend == "auto" and (args.use_flash_attn_v1 or args.use_flash_attn_triton):
             _log(f"warning: flash-attn v1/triton requested; ran attention backend {built.attention_backend}")
 
-        self.train_ds, self.valid_ds, self.test_ds = build_datasets(args)
+        self.train_ds, self.valid_ds, self.test_ds = run.train_ds, run.valid_ds, run.test_ds
         if self.train_ds is None:
             raise RuntimeError("--split leaves no training data")
         self.metrics = MetricsLogger(
@@ -258,7 +229,7 @@ class Trainer:
                                 enabled=args.world_size > 1 and not self.pipelined and args.straggler_factor > 0)
         self.evaluator = Evaluator(self.evaluate, self.valid_ds, interval=args.eval_interval, iters=args.eval_iters,
                                    metrics=self.metrics)
-        self.checkpointer = Checkpointer(self.engine, args)
+        self.checkpointer = run.checkpointer
 
     # -- data ---------------------------------------------------------------------------------------------
 
@@ -266,7 +237,7 @@ class Trainer:
         """'pipeline engine (stages of 13 | 11 layers)' or 'DeepSpeed engine', for the start-up line."""
         if not self.pipelined:
             return "DeepSpeed engine"
-        split = self.args.pipeline_stage_layers
+        split = self.stage_layers
         return "pipeline engine" + (f" (stages of {' | '.join(map(str, split))} layers)" if split else "")
 
     def _needs_data(self) -> bool:
@@ -415,8 +386,13 @@ def train(args) -> int:
 
     progress = Progress.start(int(os.environ.get("RANK", "0")),
                               Timeouts(args.watchdog_timeout, args.watchdog_slow_phase_timeout))
+    trainer = Trainer(args, progress)
     try:
-        return Trainer(args, progress).run()
+        return trainer.run()
+    except torch.cuda.OutOfMemoryError as err:
+        # the built pipeline's split, for the flags the CLI's message offers (out_of_memory.levers)
+        err.stage_layers = getattr(trainer, "stage_layers", None)
+        raise
     finally:
         progress.close()
         destroy()

@@ -21,15 +21,16 @@ def device_memory(device_index: int) -> dict[str, int]:
             "reserved": torch.cuda.memory_reserved(device_index)}
 
 
-def levers(args) -> list[str]:
-    """The flags that lower this run's peak, cheapest first (those it does not use yet)."""
+def levers(args, stage_layers: list[int] | None = None) -> list[str]:
+    """The flags that lower this run's peak, cheapest first (those it does not use yet). ``stage_layers``: the
+    built pipeline's layers per stage (None before it was built, or without PP)."""
     out = []
     if args.micro_batch_size > 1:
         out.append(f"a smaller --micro-batch-size (now {args.micro_batch_size}; the global batch "
                    f"{args.global_batch_size} stays, through more accumulation steps)")
     if args.recompute_granularity != "full":
         out.append("--checkpoint-activations (each layer recomputed in backward)")
-    split = getattr(args, "pipeline_stage_layers", None)  # set by the trainer once the pipeline is built
+    split = list(stage_layers) if stage_layers else None
     even = even_split(args.num_layers, len(split)) if split else None
     if even and split != even and args.decoder_last_pipeline_num_layers is None:
         out.append(f"--decoder-last-pipeline-num-layers {even[-1]} (equal layers per stage: the "
@@ -43,7 +44,7 @@ def levers(args) -> list[str]:
 
 
 def message(args, err: BaseException, rank: int, device_index: int, memory: dict[str, int],
-            alloc_conf: str = "") -> str:
+            alloc_conf: str = "", stage_layers: list[int] | None = None) -> str:
     """One paragraph: where and how far over, torch's own first line, what to change."""
     said = (str(err).strip().splitlines() or [""])[0]
     text = (f"rank {rank} ran out of GPU memory (cuda:{device_index}, {memory['total'] / GIB:.1f} GiB; PyTorch's "
@@ -54,4 +55,4 @@ def message(args, err: BaseException, rank: int, device_index: int, memory: dict
         text += (f" {idle / GIB:.1f} GiB were reserved but unused (fragmentation): "
                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which mds's CUDA profiles set unless you set "
                  "PYTORCH_CUDA_ALLOC_CONF yourself, lets the allocator use them.")
-    return text + " To fit, try " + "; or ".join(levers(args)) + "."
+    return text + " To fit, try " + "; or ".join(levers(args, stage_layers)) + "."

@@ -8,6 +8,7 @@ middle of a save (the driver can make each checkpoint file slow to write), `--ex
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -95,14 +96,30 @@ def test_mismatched_missing_and_partial_loads_are_named(short_run, tmp_path):
                      pipeline_model_parallel_size=1)
     meta = metadata.read(str(ckpt / tag))
     metadata.check_complete(str(ckpt / tag), meta)
+    layout = Layout(world_size=4, tp=2, pp=1, dp=2, zero_stage=2)
+    records = {"splits": {}, "model": {}}  # what a GPTModel's checkpoint holds and resharding reads (not this model's)
     with pytest.raises(CheckpointError) as err:
-        metadata.check_compatible(meta, args, Layout(world_size=4, tp=2, pp=1, dp=2, zero_stage=2),
-                                  load_optim=True, load_rng=True, directory="X")
+        metadata.check_compatible(dict(meta, **records), args, layout, load_optim=True, load_rng=True, directory="X")
     message = str(err.value)
     assert "--hidden-size: checkpoint 32, this run 16" in message
     assert "--tensor-model-parallel-size: checkpoint 1, this run 2" in message
     assert "--zero-stage: checkpoint 0, this run 2" in message and "--no-load-optim" in message
     assert "world size: checkpoint 1 ranks, this run 4" in message and "--no-load-rng" in message
+    # the way out, from this run's layout: the reshard command and the directory it writes
+    load = os.path.dirname(os.path.abspath("X"))  # directory="X": a checkpoint `latest` does not name
+    assert message.endswith(f"then train with --load {load}-tp2-pp1-dp2-zero2:\n  entrypoint convert --reshard "
+                            f"--load {load} --iteration 1 --to {load}-tp2-pp1-dp2-zero2 --tensor-model-parallel-size 2 "
+                            "--pipeline-model-parallel-size 1 --data-parallel-size 2 --zero-stage 2")
+    no_optim = "it was saved without optimizer state (--no-save-optim)"
+    for saved, why in [({}, "it holds no per-parameter split record"),
+                       ({**records, "optimizer_saved": False}, no_optim),
+                       ({**records, "args": dict(meta["args"], fp16=True)}, "it was trained with --fp16")]:
+        with pytest.raises(CheckpointError) as err:  # what the reshard would refuse: said instead of the command
+            metadata.check_compatible(dict(meta, **saved), args, layout, load_optim=True, load_rng=True,
+                                      directory="X")
+        message = str(err.value)
+        assert f"`entrypoint convert --reshard` rewrites checkpoints for another layout (TP 2 x PP 1 x DP 2, " \
+               f"ZeRO-2), but not this one: {why}" in message and "convert --reshard --load" not in message
 
     zero2_dp2 = dict(meta, layout=dict(meta["layout"], zero_stage=2, dp=2, world_size=2))
     with pytest.raises(CheckpointError, match="data-parallel size: checkpoint 2, this run 1; ZeRO stage 2"):

@@ -29,7 +29,7 @@ import ckpt_helpers as helpers
 from ckpt_helpers import ENTRYPOINT, GPT, run
 from ckpt_helpers import metrics
 
-from megatron_ds.checkpoint.reshard import needed_bytes, room_problem
+from megatron_ds.convert.reshard import needed_bytes, room_problem
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,9 @@ def test_a_ulysses_zero_checkpoint_loads_only_at_its_sp_size_and_says_how(first_
     result = run(train_argv(demo_corpus, 1, ["--zero-stage", "1", "--load", str(ckpt), "--no-load-rng"], 10),
                  tmp_path, code=2)
     assert ("--ds-sequence-parallel-size: checkpoint 2, this run 1" in result.stderr
-            and "entrypoint convert --reshard --data-parallel-size 1 --ds-sequence-parallel-size 1" in result.stderr)
+            and f"entrypoint convert --reshard --load {ckpt} --to {ckpt}-tp1-pp1-dp1-zero1 "
+                "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 1 "
+                "--ds-sequence-parallel-size 1 --zero-stage 1" in result.stderr)
     assert "Traceback" not in result.stderr and metrics(tmp_path)[0] == {}  # no step was taken
 
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
-from megatron_ds.checkpoint import reshard
-from megatron_ds.checkpoint.reshard_rank import restore_scaler, scaler_state
+from megatron_ds.convert import reshard
+from megatron_ds.convert.reshard_rank import restore_scaler, scaler_state
 
 
 def wrapper(scaler) -> SimpleNamespace:

@@ -154,11 +154,18 @@ def test_signal_saves_at_one_iteration_exits_0_and_resumes_exactly(name, target,
 
 
 def test_mismatched_layout_is_named(reference, demo_corpus, tmp_path):
-    ref = reference("tp2")
-    result = run(train_argv(demo_corpus, 1, ["--load", str(ref / "ckpt")]), tmp_path, code=None)
+    """Saved at TP 2, loaded at TP 1: exit 2 naming the differences and the way out, the exact reshard command
+    for this run (its layout and its vocabulary padding) and the directory to --load after it."""
+    ckpt = reference("tp2") / "ckpt"
+    result = run(train_argv(demo_corpus, 1, ["--load", str(ckpt)]), tmp_path, code=None)
     assert "--tensor-model-parallel-size: checkpoint 2, this run 1" in result.stderr
     assert "--make-vocab-size-divisible-by: checkpoint 100, this run 128" in result.stderr
     assert result.returncode == 2 and "Traceback" not in result.stderr  # a config error, not a crash
+    zero = json.loads((ckpt / "iter_0000010" / "mds_checkpoint.json").read_text())["layout"]["zero_stage"]
+    out = f"{ckpt}-tp1-pp1-dp1-zero{zero}"  # both runs have the default ZeRO stage
+    assert (f"then train with --load {out}:\n  entrypoint convert --reshard --load {ckpt} --to {out} "
+            "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 1 "
+            f"--zero-stage {zero} --make-vocab-size-divisible-by 128\n") in result.stderr
 
 
 def test_pipeline_split_is_recorded_and_another_split_is_named_on_resume(demo_corpus, tmp_path):
@@ -297,7 +304,7 @@ def test_export_llama_style_tp2_matches_our_logits(demo_corpus, tmp_path):
 
 
 def test_export_refuses_what_hf_cannot_represent(reference, tmp_path):
-    from megatron_ds.checkpoint import hf
+    from megatron_ds.convert import hf_export as hf
     from megatron_ds.checkpoint.metadata import CheckpointError
 
     args = json.loads((reference("single") / "ckpt" / "iter_0000010" / "mds_checkpoint.json").read_text())["args"]

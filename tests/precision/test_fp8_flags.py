@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from megatron_ds.precision import from_args
-from megatron_ds.precision.fp8 import engine_from_args, fp8_gemm_refusal
+from megatron_ds.precision.fp8 import fp8_gemm_refusal
+from megatron_ds.precision.fp8_select import engine_from_args
 from megatron_ds.runtime.bootstrap import visible_gpus
 from megatron_ds.training.arguments import ConfigError, parse_args, validate
 

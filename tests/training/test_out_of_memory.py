@@ -62,10 +62,10 @@ def test_fragmentation_is_named_where_the_allocator_does_not_grow_segments(tmp_p
 def test_the_even_pipeline_split_is_offered_where_the_default_loads_the_first_stages(tmp_path):
     args = validated(tmp_path, 2, "--micro-batch-size", "1", "--checkpoint-activations", "--zero-stage", "1",
                      "--pipeline-model-parallel-size", "2")
-    args.pipeline_stage_layers = [3, 1]  # what the trainer sets from the built pipeline
-    assert levers(args)[0] == ("--decoder-last-pipeline-num-layers 2 (equal layers per stage: the default 3 | 1 "
-                               "gives the stages before the output head's more)")
-    args.pipeline_stage_layers = [2, 2]
-    assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args))
-    args.decoder_last_pipeline_num_layers, args.pipeline_stage_layers = 1, [3, 1]  # the user chose the split
-    assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args))
+    built = [3, 1]  # the built pipeline's split, as the trainer hands it on with the error
+    assert levers(args, built)[0] == ("--decoder-last-pipeline-num-layers 2 (equal layers per stage: the default "
+                                      "3 | 1 gives the stages before the output head's more)")
+    assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args, [2, 2]))
+    assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args))  # OOM before the pipeline was built
+    args.decoder_last_pipeline_num_layers = 1  # the user chose the split
+    assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args, built))

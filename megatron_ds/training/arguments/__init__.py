@@ -16,7 +16,8 @@ from megatron_ds.training.arguments.flags import (
     build_parser,
     print_notices,
 )
-from megatron_ds.training.arguments.rules import accumulation_steps, pad_vocab_size, validate
+from megatron_ds.model.config import pad_vocab_size
+from megatron_ds.training.arguments.rules import accumulation_steps, validate
 from megatron_ds.training.arguments.sources import load_ds_config, parse_args
 
 __all__ = ["NO_OP_SWITCHES", "NO_OP_WITH_VALUE", "ConfigError", "accumulation_steps",

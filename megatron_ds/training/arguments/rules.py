@@ -431,7 +431,8 @@ def cuda_gpu_visible() -> bool:
 def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | None:
     """Why mds does not compile the layers of this layout, or None: the one list behind both the default
     (eager there, with one notice) and the refusal of an explicit --torch-compile (same words)."""
-    from megatron_ds.precision.fp8 import engine_name, fp8_requested
+    from megatron_ds.precision.fp8 import fp8_requested
+    from megatron_ds.precision.fp8_select import engine_name
     from megatron_ds.torch_support import compile_problem
 
     if (why := compile_problem(dims.tp)) is not None:
@@ -520,8 +521,3 @@ def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
                           "visible here (reorder runs wherever the layers compile)")
     args.tp_comm_overlap = mode
 
-
-def pad_vocab_size(orig: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: round up to a multiple of divisible_by x TP so every TP slice is equal."""
-    multiple = divisible_by * tp
-    return ((orig + multiple - 1) // multiple) * multiple

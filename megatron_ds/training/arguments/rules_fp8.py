@@ -77,8 +77,9 @@ def msamp_layout(args: argparse.Namespace, dims: ParallelDims) -> None:
     """MS-AMP's levels and ZeRO (O3: FP8 ZeRO-1/2; O1/O2: none), and what mds does not run with MS-AMP.
 
     Runs after the ZeRO stage is final (--use-distributed-optimizer may raise it)."""
-    from megatron_ds.precision.fp8 import engine_name, fp8_requested
+    from megatron_ds.precision.fp8 import fp8_requested
     from megatron_ds.precision.fp8_msamp import ZERO_STAGES
+    from megatron_ds.precision.fp8_select import engine_name
 
     flag = fp8_requested(args)
     if flag is None or engine_name(args) != "msamp":
@@ -130,8 +131,8 @@ def gemm_capability(engine: FP8Engine, flag: str, capability: tuple[int, int] | 
 def fp8_environment(args: argparse.Namespace) -> None:
     """The FP8 engine's library is importable and the GPU has FP8 matrix multiplies (MS-AMP runs without them, in
     higher precision, as it documents: a start-up note says so)."""
-    from megatron_ds.precision.fp8 import device_capability, engine_class, engine_name, fp8_requested, \
-        options_from_args
+    from megatron_ds.precision.fp8 import device_capability, fp8_requested, options_from_args
+    from megatron_ds.precision.fp8_select import engine_class, engine_name
     from megatron_ds.precision.fp8_te import installed as te_installed
 
     fp8_flag = fp8_requested(args)

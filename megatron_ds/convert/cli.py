@@ -62,24 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def checkpoint_directory(load: str, iteration: int | None) -> str:
-    if iteration is not None:
-        directory = os.path.join(load, paths.tag_for(iteration))
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"--iteration {iteration}: {directory} does not exist")
-        return directory
-    tag = paths.read_latest(load)
-    if tag is None:
-        what = "does not exist" if not os.path.isdir(load) else "has no 'latest' checkpoint"
-        raise CheckpointError(f"--load {load} {what}")
-    directory = os.path.join(load, tag)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"--load {load}: 'latest' names {tag!r} but {directory} does not exist")
-    return directory
-
-
 def import_main(args, parser) -> int:
-    from megatron_ds.checkpoint import hf_import, megatron_deepspeed
+    from megatron_ds.convert import hf_import, megatron_deepspeed
 
     fmt, source = args.source
     if fmt not in IMPORT_FORMATS:
@@ -109,7 +93,8 @@ IMPORT_FORMATS = ("hf", "megatron-deepspeed")
 
 
 def reshard_main(args, parser) -> int:
-    from megatron_ds.checkpoint import reshard
+    from megatron_ds.checkpoint.checkpointing import checkpoint_directory
+    from megatron_ds.convert import reshard
 
     if not args.load or args.to in (None, "hf"):
         parser.error("--reshard needs --load DIR (the checkpoint) and --to NEW (an empty directory)")
@@ -138,7 +123,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--to {args.to}: exporting writes 'hf'; to import, name the source with --from FORMAT SRC")
     if not args.load or not args.output:
         parser.error("--to hf needs --load DIR and --output OUT")
-    from megatron_ds.checkpoint import hf
+    from megatron_ds.checkpoint.checkpointing import checkpoint_directory
+    from megatron_ds.convert import hf_export
     from megatron_ds.checkpoint.shards import merged_state_dict
 
     try:
@@ -148,7 +134,7 @@ def main(argv: list[str]) -> int:
         print(f"convert: reading {directory} (iteration {metadata['iteration']}, TP {metadata['layout']['tp']}, "
               f"PP {metadata['layout']['pp']})", flush=True)
         state_dict = merged_state_dict(directory, metadata)
-        config = hf.export(state_dict, metadata["args"], args.output, vocab_size=args.vocab_size)
+        config = hf_export.export(state_dict, metadata["args"], args.output, vocab_size=args.vocab_size)
     except CheckpointError as exc:
         print(f"entrypoint convert: error: {exc}", file=sys.stderr)
         return 2

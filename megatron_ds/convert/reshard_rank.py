@@ -6,7 +6,7 @@ Going through a real DeepSpeed engine at each end means DeepSpeed reads and writ
 per-parameter accessors (``deepspeed.utils.safe_get/set_full_fp32_param``, ``..._optimizer_state``),
 which hand out a parameter's full (TP-local) fp32 value and Adam moments at any ZeRO stage.
 
-Run as ``python -m megatron_ds.checkpoint.reshard_rank gather|scatter SPEC.json`` with the launcher's
+Run as ``python -m megatron_ds.convert.reshard_rank gather|scatter SPEC.json`` with the launcher's
 RANK/WORLD_SIZE/MASTER_* variables; SPEC holds the flags (``args``) and the file paths (reshard.py).
 """
 
@@ -75,15 +75,10 @@ def _link_optimizer_state(engine) -> None:
 
 
 def build(args: Namespace, padded_vocab: int):
-    from megatron_ds.parallel.state import init_parallel
-    from megatron_ds.precision import from_args as precision_from_args
-    from megatron_ds.training.engine import build_engine
+    """The run these flags describe, built as training builds it (training/build.py), on gloo, for its engine."""
+    from megatron_ds.training.build import build_run
 
-    # Ulysses too: the source's ZeRO partitions span its dp x sp ranks, and this engine must read them as saved
-    parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "gloo",
-                             sp=getattr(args, "ds_sequence_parallel_size", None) or 1)
-    built = build_engine(args, precision_from_args(args), parallel, padded_vocab)
-    return built.engine, built.pipelined, parallel
+    return build_run(args, backend="gloo", padded_vocab=padded_vocab, training=False)
 
 
 def local_parameters(engine, pipelined: bool, num_layers: int) -> dict[str, torch.nn.Parameter]:
@@ -116,7 +111,8 @@ def local_parameters(engine, pipelined: bool, num_layers: int) -> dict[str, torc
 def gather(spec: dict) -> None:
     """Load the source checkpoint at its own layout and write this rank's per-parameter state."""
     args = Namespace(**spec["args"])
-    engine, pipelined, parallel = build(args, spec["padded_vocab"])
+    run = build(args, spec["padded_vocab"])
+    engine, pipelined, parallel = run.engine, run.built.pipelined, run.parallel
     from megatron_ds.checkpoint import ds_load
 
     loaded, _ = ds_load.load_checkpoint(engine, spec["load_dir"], spec["tag"], load_optim=True)
@@ -204,11 +200,11 @@ def _set_weights(params: dict[str, torch.nn.Parameter], full: dict, entries: dic
 
 def scatter(spec: dict) -> None:
     """Fill a fresh engine at the target layout from the merged state and save it as a training run would."""
-    from megatron_ds.checkpoint import checkpointing
     from megatron_ds.training.state import TrainState
 
     args = Namespace(**spec["args"])
-    engine, pipelined, parallel = build(args, spec["padded_vocab"])
+    run = build(args, spec["padded_vocab"])
+    engine, pipelined, parallel = run.engine, run.built.pipelined, run.parallel
     merged = torch.load(spec["merged"], map_location="cpu", weights_only=False)
     full, entries = merged["params"], merged["splits"]
     params = local_parameters(engine, pipelined, args.num_layers)
@@ -223,7 +219,7 @@ def scatter(spec: dict) -> None:
         engine.lr_scheduler.load_state_dict(merged["lr_scheduler"])
     for name, value in merged["engine"].items():
         setattr(engine, name, value)
-    checkpointing.save(engine, args, TrainState(**merged["train_state"]))
+    run.checkpointer.save(TrainState(**merged["train_state"]))  # to --save: the target directory
 
 
 def main(argv: list[str]) -> int:

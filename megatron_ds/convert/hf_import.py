@@ -5,7 +5,7 @@ them); the weights are placed by a table per architecture that names OUR side by
 (``layers.{i}.attention.qkv.weight``, walked on a meta-device GPTModel) and gets the state-dict name
 from the parameter itself (splits.name_of), so a renamed parameter changes nothing here.
 
-The conventions (the inverse of hf.py's export): GPT-2's Conv1D weights are [in, out] and are
+The conventions (the inverse of hf_export.py's): GPT-2's Conv1D weights are [in, out] and are
 transposed; c_attn is already our fused [q; k; v]; LLaMA's q/k/v and gate/up are concatenated into
 our fused qkv and fc1 (HF's rotate_half rope is ours, no permutation); the vocabulary is padded
 with zero rows to --make-vocab-size-divisible-by x TP.

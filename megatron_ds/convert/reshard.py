@@ -48,17 +48,18 @@ def _log(message: str) -> None:
 
 def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int,
                 make_vocab_size_divisible_by: int | None, save: str, sp: int = 1) -> Namespace:
-    """The source run's flags at the target layout; CheckpointError naming the flag a layout breaks."""
+    """The source run's flags at the target layout, a new Namespace (the checkpoint's flags are read, never
+    written); CheckpointError naming the flag a layout breaks."""
     from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
     from megatron_ds.parallel.pipeline_split import stage_layers
     from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
     from megatron_ds.training.arguments import ConfigError
     from megatron_ds.training.arguments.rules import accumulation_steps, check_ulysses
 
-    args = Namespace(**source_args)
     world = tp * pp * dp * sp
-    if pp != args.pipeline_model_parallel_size or not hasattr(args, "decoder_last_pipeline_num_layers"):
-        args.decoder_last_pipeline_num_layers = None  # the source's split means nothing at another PP: the default
+    changes = {"zero_stage": zero_stage, "ds_sequence_parallel_size": sp}
+    if pp != source_args["pipeline_model_parallel_size"] or "decoder_last_pipeline_num_layers" not in source_args:
+        changes["decoder_last_pipeline_num_layers"] = None  # the source's split means nothing at another PP: default
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--data-parallel-size", dp), ("--ds-sequence-parallel-size", sp)):
         if value < 1:
@@ -68,7 +69,7 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
     if zero_stage >= 2 and pp > 1:
         raise CheckpointError(f"--zero-stage {zero_stage} cannot be combined with --pipeline-model-parallel-size "
                               f"{pp}: DeepSpeed's pipeline engine supports ZeRO-0/1 only")
-    args.zero_stage, args.ds_sequence_parallel_size = zero_stage, sp
+    args = Namespace(**{**source_args, **changes})  # the model's flags as the checks below read them
     what = f"TP {tp} x PP {pp} x DP {dp}" + (f" x SP {sp}" if sp > 1 else "")
     try:
         dims = ParallelDims(world, tp, pp, sp)
@@ -78,18 +79,16 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
         accumulation = accumulation_steps(args.global_batch_size, args.micro_batch_size, dp)
     except (ModelConfigError, ParallelConfigError, ConfigError) as err:
         raise CheckpointError(f"the target layout {what} does not fit this model: {err}") from None
-    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    args.world_size, args.data_parallel_size, args.zero_stage = world, dp, zero_stage
-    args.gradient_accumulation_steps = accumulation
+    changes.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world,
+                   data_parallel_size=dp, gradient_accumulation_steps=accumulation,
+                   no_pipeline_parallel=pp == 1 and bool(source_args.get("no_pipeline_parallel", False)),
+                   save=save, load=None, save_interval=None, keep_last_n_checkpoints=0,
+                   no_save_optim=False, no_save_rng=True)  # the RNG states of another world mean nothing here
     if make_vocab_size_divisible_by is not None:
-        args.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+        changes["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     if tp == 1:
-        args.sequence_parallel = False
-    args.no_pipeline_parallel = pp == 1 and bool(getattr(args, "no_pipeline_parallel", False))
-    args.save, args.load, args.save_interval = save, None, None
-    args.keep_last_n_checkpoints = 0
-    args.no_save_optim, args.no_save_rng = False, True  # the RNG states of another world mean nothing here
-    return args
+        changes["sequence_parallel"] = False
+    return Namespace(**{**source_args, **changes})
 
 
 def _free_port() -> int:
@@ -110,7 +109,7 @@ def run_ranks(phase: str, spec: dict, world: int, staging: str, timeout: float) 
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_ds.checkpoint.reshard_rank", phase, spec_path],
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_ds.convert.reshard_rank", phase, spec_path],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
     deadline = time.time() + timeout
@@ -204,7 +203,7 @@ def reshard(load: str, to: str, *, tp: int, pp: int, dp: int, zero_stage: int,
     """Rewrite the checkpoint in ``load`` (``latest``, or iter_N) at TP x PP x DP (x SP), ZeRO ``zero_stage``
     into the empty directory ``to``; returns the new checkpoint's directory. Nothing is left in ``to``
     (nor created) on failure."""
-    from megatron_ds.checkpoint.convert import checkpoint_directory
+    from megatron_ds.checkpoint.checkpointing import checkpoint_directory
     from megatron_ds.checkpoint.shape import padded_vocab_size
 
     load, to = os.path.abspath(load), os.path.abspath(to)

@@ -1,0 +1,105 @@
+"""Building one run from validated flags, the one way that training, resharding and the benchmark harness share:
+
+    process groups -> dropout seed -> tokenizer, padded vocabulary -> precision -> model + DeepSpeed engine
+    -> datasets -> checkpointer
+
+``build_run`` returns the pieces as a ``Run``; the training loop (loop.py) steps it, convert/reshard_rank.py
+moves a checkpoint's state through its engine, bench/in_process.py measures it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from argparse import Namespace
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_ds.checkpoint import Checkpointer
+from megatron_ds.model.config import pad_vocab_size
+from megatron_ds.parallel.state import ParallelState, init_parallel, local_device_index
+from megatron_ds.precision import Precision
+from megatron_ds.precision import from_args as precision_from_args
+from megatron_ds.training.engine import Built, build_engine
+
+
+@dataclass
+class Run:
+    """What one run is made of. ``tokenizer`` is None where the padded vocabulary was given (a checkpoint's);
+    ``train_ds``, ``valid_ds``, ``test_ds`` are None where no data was asked for."""
+
+    args: Namespace
+    parallel: ParallelState
+    precision: Precision
+    padded_vocab: int
+    built: Built  # the engine, whether it is a pipeline engine, the model config, the attention backend
+    build_seconds: float  # building the model and the engine
+    checkpointer: Checkpointer
+    tokenizer: object | None = None
+    train_ds: object | None = None
+    valid_ds: object | None = None
+    test_ds: object | None = None
+
+    @property
+    def engine(self):
+        return self.built.engine
+
+
+def pick_device() -> torch.device:
+    """This rank's device: its GPU (by local rank, made current), else the CPU."""
+    if torch.cuda.is_available():
+        index = local_device_index()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the node's cores: more threads than cores makes gloo collectives crawl.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local)))
+    return torch.device("cpu")
+
+
+def build_run(args: Namespace, *, device: torch.device | None = None, backend: str | None = None,
+              padded_vocab: int | None = None, data: bool = True, training: bool = True) -> Run:
+    """The run the validated flags ``args`` describe, on this rank.
+
+    ``backend``: the process groups' (default --distributed-backend, else NCCL on a GPU ``device``, gloo on the
+    CPU). ``padded_vocab``: the model's vocabulary rows when a checkpoint fixes them (no tokenizer is built);
+    otherwise the tokenizer's vocabulary padded as Megatron pads it. ``data``: open the datasets.
+    ``training=False`` builds an engine only to move a checkpoint's state through it (convert/reshard_rank.py):
+    no dropout seed (the global RNG stays as a fresh process has it, so the checkpoint it saves is the same
+    every time), no data, and torch's own collective timeout, not --distributed-timeout-minutes (its
+    collectives carry whole models over gloo).
+    """
+    if backend is None:
+        backend = args.distributed_backend or ("nccl" if device is not None and device.type == "cuda" else "gloo")
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
+        # One process: an in-memory store, so no TCP port is needed (nor can collide with another job).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    # Ulysses too: a checkpoint's ZeRO partitions span its dp x sp ranks (older checkpoints' flags lack the size)
+    parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend,
+                             timeout_minutes=args.distributed_timeout_minutes if training else None,
+                             sp=getattr(args, "ds_sequence_parallel_size", None) or 1)
+    if training:
+        # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
+        torch.manual_seed(args.seed + 100 * parallel.pp_rank)
+    tokenizer = None
+    if padded_vocab is None:
+        from megatron_ds.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                    tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+        padded_vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                      args.tensor_model_parallel_size)
+    precision = precision_from_args(args)
+    start = time.perf_counter()
+    built = build_engine(args, precision, parallel, padded_vocab)
+    run = Run(args=args, parallel=parallel, precision=precision, padded_vocab=padded_vocab, built=built,
+              build_seconds=time.perf_counter() - start, checkpointer=Checkpointer(built.engine, args),
+              tokenizer=tokenizer)
+    if data and training:
+        from megatron_ds.training.data import build_datasets
+
+        run.train_ds, run.valid_ds, run.test_ds = build_datasets(args)
+    return run
