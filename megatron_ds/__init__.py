@@ -11,6 +11,7 @@ holds the order and checks every import, lazy ones included):
     parallel                  process groups, tensor/sequence-parallel building blocks
     runtime | data            ranks, sites, launching (no models) | indexed datasets, tokenizers
     torch_support             what the installed torch can do
+    env_settings | compile_costs   every MDS_* variable, read here only | what compiling cost at start-up
 """
 
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, replace
 
-from megatron_ds.model.config import GPTConfig
+from megatron_ds.model.config import GPTConfig, pad_vocab_size
 from megatron_ds.parallel.pipeline_split import stage_layers
 
 GIB = 1 << 30
@@ -168,8 +168,6 @@ def layout_that_fits(config: GPTConfig, layout: Layout, world: int, limit_gib: f
 def for_args(args) -> tuple[GPTConfig, Layout]:
     """The model shape and layout of validated flags (the vocabulary as padded for GPT-2's 50,257 tokens where
     the tokenizer, not yet loaded, decides it: the estimate's logits and embedding move by well under 1%)."""
-    from megatron_ds.training.arguments.rules import pad_vocab_size
-
     tp = args.tensor_model_parallel_size
     vocab = pad_vocab_size(getattr(args, "vocab_size", None) or 50257, args.make_vocab_size_divisible_by, tp)
     config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
