@@ -12,7 +12,7 @@ READY      := $(VENV)/.mds-ready
 # The images' DeepSpeed, with the images' patches (patches/deepspeed), in the test venvs too
 DEEPSPEED_PIN := $(shell sed -n 's/^DEEPSPEED_VERSION=//p' cuda/versions)
 
-.PHONY: setup demo test test-system help
+.PHONY: setup demo test lint test-system help
 
 help: ## list the targets, one line each
 	@awk -F':[^#]*## ' '/^[a-z0-9-]+:.*## / {printf "make %-21s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
@@ -32,6 +32,9 @@ demo: $(READY) ## prepare the embedded corpus and train a small GPT on it (CPU o
 
 test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=... narrows it; README: how to deselect the image builds)
 	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+
+lint: $(READY) ## ruff over the whole tree (pyproject.toml [tool.ruff]): must report nothing
+	$(VENV)/bin/ruff check .
 
 test-system: ## install the system packages the tests use (Slurm, MPI, shellcheck, Docker; root + apt) when missing
 	@bash scripts/setup-test-system.sh

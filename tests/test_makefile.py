@@ -45,7 +45,15 @@ def test_ci_runs_only_the_make_targets():
     text = (ROOT / ".ci" / "run").read_text()
     commands = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert not any(word in c for c in commands for word in ("apt-get", "dockerd", "MDS_REQUIRE_DOCKER")), commands
-    assert [c for c in commands if c.startswith("make ")] == ["make test TORCH_SPEC=torch==2.13.0", "make test-torch21"]
+    assert [c for c in commands if c.startswith("make ")] == ["make lint TORCH_SPEC=torch==2.13.0",
+                                                              "make test TORCH_SPEC=torch==2.13.0", "make test-torch21"]
+
+
+def test_lint_is_configured_and_run_by_make():
+    """`make lint` runs the linter pyproject.toml configures, and the test extra installs it."""
+    assert "[tool.ruff]" in (ROOT / "pyproject.toml").read_text() and '"ruff==' in (ROOT / "pyproject.toml").read_text()
+    dry = subprocess.run(["make", "-n", "lint"], cwd=ROOT, capture_output=True, text=True)
+    assert dry.returncode == 0 and "ruff check ." in dry.stdout, dry.stdout + dry.stderr
 
 
 def test_setup_scripts_pass_shellcheck():
