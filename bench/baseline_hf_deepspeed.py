@@ -21,8 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (SUMMARY_KEYS, environment, median_summary, megatron_flops_per_token, peak_flops,
-                          write_record)
+from bench.common import SUMMARY_KEYS, environment, median_summary, megatron_flops_per_token, peak_flops, write_record
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,8 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def init_distributed():
     """One process per GPU; a lone `python baseline_hf_deepspeed.py` is rank 0 of 1."""
-    import torch
     import deepspeed
+    import torch
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
@@ -81,8 +80,8 @@ def build_model(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import torch
     import deepspeed
+    import torch
 
     device = init_distributed()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

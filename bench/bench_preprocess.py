@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import time

@@ -26,8 +26,8 @@ _PROCESS_START = time.perf_counter()  # before torch's import: start-up includes
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-from contextlib import nullcontext  # noqa: E402
 import sys  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -155,7 +155,7 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device) ->
            "step_time_s": step_s, "mem_gib": mem, "lm_loss": float(loss.detach()), "flops_per_token": fpt,
            "first_step_s": first_step_done - built_at, "start_to_first_step_s": first_step_done - _PROCESS_START,
            "warmup_step_times_s": warmup_times}
-    del forward, model, optimizer
+    forward = model = optimizer = None  # free them (the step closure holds the cells) before the next variant
     if variant.startswith("compile"):
         torch._dynamo.reset()  # the next variant compiles its own model from scratch
     return row

@@ -38,7 +38,6 @@ def one_mode(variant: str) -> dict[str, float]:
     import functools
 
     import torch
-
     from deepspeed.utils import safe_get_full_grad
 
     import megatron_ds.training.engine as engine_module

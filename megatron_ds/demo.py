@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 
-
 SPLIT = "95,5,0"  # train, validation, test documents; the corpus is shuffled, so both span the library
 # Measured with the defaults (300 iterations, CPU, Python 3.11's stdlib, torch 2.13; CPU runs repeat exactly):
 # training 4.48 (mean of iterations 291-300), validation 5.29: what a newcomer should see (tests/test_demo.py

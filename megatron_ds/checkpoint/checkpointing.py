@@ -20,10 +20,9 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
-from megatron_ds.checkpoint import ds_load
+from megatron_ds.checkpoint import ds_load, rng
 from megatron_ds.checkpoint import layout as paths
 from megatron_ds.checkpoint import metadata as meta
-from megatron_ds.checkpoint import rng
 from megatron_ds.checkpoint import shape as model_shapes
 from megatron_ds.checkpoint.metadata import CheckpointError, Layout
 

@@ -18,7 +18,6 @@ import functools
 import os
 import sys
 
-from megatron_ds.checkpoint import layout as paths
 from megatron_ds.checkpoint import metadata as meta
 from megatron_ds.checkpoint.metadata import CheckpointError
 
@@ -124,8 +123,8 @@ def main(argv: list[str]) -> int:
     if not args.load or not args.output:
         parser.error("--to hf needs --load DIR and --output OUT")
     from megatron_ds.checkpoint.checkpointing import checkpoint_directory
-    from megatron_ds.convert import hf_export
     from megatron_ds.checkpoint.shards import merged_state_dict
+    from megatron_ds.convert import hf_export
 
     try:
         directory = checkpoint_directory(os.path.abspath(args.load), args.iteration)

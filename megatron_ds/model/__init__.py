@@ -5,8 +5,17 @@
 """
 
 from megatron_ds.model.config import GPTConfig, ModelConfigError
-from megatron_ds.model.gpt import (EmbeddingStage, FinalNorm, GPTModel, OutputHead, StageSpec, TransformerLayer,
-                                   gpt_stage_specs, lm_loss, tied_head_forward)
+from megatron_ds.model.gpt import (
+                                   EmbeddingStage,
+                                   FinalNorm,
+                                   GPTModel,
+                                   OutputHead,
+                                   StageSpec,
+                                   TransformerLayer,
+                                   gpt_stage_specs,
+                                   lm_loss,
+                                   tied_head_forward,
+)
 
 __all__ = ["GPTConfig", "ModelConfigError", "GPTModel", "EmbeddingStage", "TransformerLayer", "FinalNorm",
            "OutputHead", "StageSpec", "gpt_stage_specs", "lm_loss", "tied_head_forward"]

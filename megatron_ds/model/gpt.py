@@ -49,13 +49,26 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulysses_attention
-from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.compiled import CompiledForward
+from megatron_ds.model.config import GPTConfig
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         seeded_normal, sequence_parallel_dropout, tp_replicated)
-from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
-                                           reduce_scatter_sequence, tp_rank, tp_size)
+from megatron_ds.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    seeded_normal,
+    sequence_parallel_dropout,
+    tp_replicated,
+)
+from megatron_ds.parallel.mappings import (
+    all_gather_sequence,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    tp_rank,
+    tp_size,
+)
 from megatron_ds.parallel.overlap import inductor_options, prepare_group
 from megatron_ds.parallel.random import tp_rank_rng
 

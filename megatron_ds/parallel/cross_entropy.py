@@ -28,9 +28,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_ds.compile_costs import FirstCallTimer
 from megatron_ds.env_settings import FUSED_CROSS_ENTROPY
 from megatron_ds.parallel.mappings import tp_rank, tp_size
-from megatron_ds.compile_costs import FirstCallTimer
 from megatron_ds.torch_support import compile_problem
 
 # Elements of fp32 working memory per chunk (64M = 256 MiB): large enough that a chunk is a few big

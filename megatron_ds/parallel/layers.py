@@ -34,8 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.parallel.chunked import gather_then_gemm, gemm_then_scatter
-from megatron_ds.parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp, reduce_from_tp,
-                                           reduce_scatter_sequence, tp_rank, tp_size)
+from megatron_ds.parallel.mappings import (
+    all_gather_sequence,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    tp_rank,
+    tp_size,
+)
 
 Init = Callable[[tuple[int, ...]], torch.Tensor]
 

@@ -12,8 +12,6 @@ those fused kernels (coordinate descent), at a start-up cost that does not pay b
 
 from __future__ import annotations
 
-import os
-
 from torch import nn
 
 from megatron_ds.precision.fp8 import FP8Engine, local_gemms

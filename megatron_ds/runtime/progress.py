@@ -27,8 +27,7 @@ from collections import deque
 
 from megatron_ds.env_settings import WATCHDOG_DIR
 from megatron_ds.runtime import flight_recorder
-from megatron_ds.runtime.watchdog import (DUMP_SIGNAL, HANG_EXIT, Record, Timeouts, progress_path,
-                                          stacks_path)
+from megatron_ds.runtime.watchdog import DUMP_SIGNAL, HANG_EXIT, Record, Timeouts, progress_path, stacks_path
 
 RECENT_STEPS = 20  # step times kept for the median
 

@@ -16,8 +16,8 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
-
 from ckpt_helpers import DRIVER, Ranks, losses, run_driver, wait_for
+
 from megatron_ds.checkpoint import layout, metadata
 from megatron_ds.checkpoint.metadata import CheckpointError, Layout
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckpt_helpers import ENTRYPOINT, Ranks, env
 
 TP_LOGITS = Path(__file__).with_name("tp_logits.py")

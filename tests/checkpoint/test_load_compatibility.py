@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import run, train_argv
 
 from megatron_ds.checkpoint import layout as paths
-from ckpt_helpers import run, train_argv
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,9 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import megatron_reference as reference
 import pytest
 import torch
-
-import megatron_reference as reference
 from ckpt_helpers import ENTRYPOINT, Ranks
 from test_hf_import import our_logits
 
@@ -52,7 +51,7 @@ def megatron_args(style: str, tp: int, pp: int, **extra) -> Namespace:
 
 def write_megatron(ranks: list[dict], args: Namespace, root: Path, pp: int, version: float = 3.0) -> Path:
     """<root>/iter_0000010/mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt and Megatron's tracker file."""
-    tp, per_stage = len(ranks), args.num_layers // pp
+    per_stage = args.num_layers // pp
     for t, pieces in enumerate(ranks):
         for p in range(pp):
             encoder = {}

@@ -23,11 +23,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 import ckpt_helpers as helpers
-from ckpt_helpers import ENTRYPOINT, GPT, run
-from ckpt_helpers import metrics
+import pytest
+from ckpt_helpers import ENTRYPOINT, GPT, metrics, run
 
 from megatron_ds.convert.reshard import needed_bytes, room_problem
 

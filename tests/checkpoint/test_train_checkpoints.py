@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckpt_helpers import ENTRYPOINT, GPT, Ranks, env, metrics, run, train_argv, wait_for
 
 pytestmark = pytest.mark.slow
@@ -304,8 +303,8 @@ def test_export_llama_style_tp2_matches_our_logits(demo_corpus, tmp_path):
 
 
 def test_export_refuses_what_hf_cannot_represent(reference, tmp_path):
-    from megatron_ds.convert import hf_export as hf
     from megatron_ds.checkpoint.metadata import CheckpointError
+    from megatron_ds.convert import hf_export as hf
 
     args = json.loads((reference("single") / "ckpt" / "iter_0000010" / "mds_checkpoint.json").read_text())["args"]
     with pytest.raises(CheckpointError, match="LlamaForCausalLM, which cannot represent: LayerNorm"):

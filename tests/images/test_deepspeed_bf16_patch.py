@@ -144,7 +144,7 @@ def run_driver(tmp_path: Path, site: Path, zero: int, accum: str, opt: str, ga: 
     result = subprocess.run([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 

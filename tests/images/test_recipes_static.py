@@ -11,8 +11,18 @@ import sys
 
 import pytest
 
-from .recipes import (DEFINITIONS, DOCKERFILES, NOT_PINS, ROOT, STEP_SCRIPTS, definition_arguments,
-                      definition_sections, dockerfile_args, dockerfile_instructions, read_pins)
+from .recipes import (
+    DEFINITIONS,
+    DOCKERFILES,
+    NOT_PINS,
+    ROOT,
+    STEP_SCRIPTS,
+    definition_arguments,
+    definition_sections,
+    dockerfile_args,
+    dockerfile_instructions,
+    read_pins,
+)
 
 MAKE_TARGETS = ("image", "image-rocm", "image-msamp", "image-cpu", "sif", "sif-lumi", "sqsh")
 

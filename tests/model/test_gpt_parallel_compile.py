@@ -180,12 +180,11 @@ PIPELINE_CASES = {"gpt2_sp": CASES["gpt2_sp"], "gpt2_sp_dropout": dict(CASES["gp
 def pipeline_worker(cases: list[str]) -> dict:
     """Per case: the eager run, the run under --tp-comm-overlap pipeline, and the fused ops in each graph inductor
     generated for it (forward and backward)."""
+    import cpu_async_tp
     import torch._functorch.config
     import torch._inductor.config
     from torch._inductor.graph import GraphLowering
     from torch.distributed import _symmetric_memory
-
-    import cpu_async_tp
 
     cpu_async_tp.register()
     st = state.get_state()

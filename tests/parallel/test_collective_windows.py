@@ -11,7 +11,6 @@ import pytest
 
 from megatron_ds.parallel import collective_windows as cw
 
-
 Dep = namedtuple("Dep", "name")
 
 

@@ -11,9 +11,15 @@ import torch.nn.functional as F
 
 from megatron_ds.parallel import cross_entropy, mappings, state
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         seeded_normal, sequence_parallel_dropout, slice_chunks,
-                                         weights_drawn_on)
+from megatron_ds.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    seeded_normal,
+    sequence_parallel_dropout,
+    slice_chunks,
+    weights_drawn_on,
+)
 from megatron_ds.parallel.random import tp_rank_rng
 from megatron_ds.parallel.testing import run_on_ranks
 from megatron_ds.torch_support import compile_problem

@@ -18,8 +18,7 @@ import sys
 
 def main(argv: list[str]) -> int:
     from megatron_ds.parallel.state import ParallelDims
-    from megatron_ds.training.arguments import parse_args, validate
-    from megatron_ds.training.arguments import rules_fp8
+    from megatron_ds.training.arguments import parse_args, rules_fp8, validate
     from megatron_ds.training.loop import train
 
     argv = list(argv)

@@ -3,8 +3,8 @@ parallel linears held their GEMM as a ``local`` child."""
 
 import torch
 
-from megatron_ds.convert import hf_export as hf
 from megatron_ds.checkpoint.shards import current_name, merged_state_dict
+from megatron_ds.convert import hf_export as hf
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.gpt import GPTModel
 

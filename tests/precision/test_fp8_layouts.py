@@ -11,7 +11,6 @@ and stays within the same bound here.
 from __future__ import annotations
 
 import pytest
-
 from test_fp8_checkpoints import losses, run_driver
 
 pytestmark = pytest.mark.slow

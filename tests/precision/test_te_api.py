@@ -19,7 +19,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from fp8_sources import SourceTree, accepted_names, takes_any_keyword
 
 from megatron_ds.precision.fp8_te import TE_API

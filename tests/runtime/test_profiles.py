@@ -6,11 +6,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from runtime_helpers import ENTRYPOINT, clean_env
 
 from megatron_ds.runtime import profiles
 from megatron_ds.runtime.sbatch import cpu_masks
-
-from runtime_helpers import ENTRYPOINT, clean_env
 
 NVIDIA_H100 = "Model: \t\t NVIDIA H100 80GB HBM3\n"
 
