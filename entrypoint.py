@@ -12,13 +12,22 @@ import sys
 
 # name -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megatron_ds.training.cli", "pretrain a GPT (Megatron-DeepSpeed pretrain_gpt.py flags; TP/SP/PP/DP, ZeRO)"),
-    "doctor": ("megatron_ds.runtime.doctor", "check the software stack (torch, CUDA/ROCm, NCCL, DeepSpeed, TE, flash-attn, ...) and the site profile"),
-    "env": ("megatron_ds.runtime.env_cli", "show rank, world, master, device, CPU set and every variable launch would set, and why"),
-    "sbatch": ("megatron_ds.runtime.sbatch", "write a Slurm (pyxis, apptainer, host) or PBS job script that runs an entrypoint command"),
-    "preprocess": ("megatron_ds.data.preprocess", "tokenize JSON lines into Megatron indexed datasets (tools/preprocess_data.py flags)"),
-    "launch": ("megatron_ds.runtime.launch_cli", "run any command as the ranks of this job (spawn + supervise, or map + exec)"),
-    "convert": ("megatron_ds.convert.cli", "export a checkpoint as a Hugging Face model (TP/PP shards merged), or import one (--from hf) at a chosen TP/PP"),
+    "train": ("megatron_ds.training.cli",
+              "pretrain a GPT (Megatron-DeepSpeed pretrain_gpt.py flags; TP/SP/PP/DP, ZeRO)"),
+    "doctor": ("megatron_ds.runtime.doctor",
+               "check the software stack (torch, CUDA/ROCm, NCCL, DeepSpeed, TE, flash-attn, ...) "
+               "and the site profile"),
+    "env": ("megatron_ds.runtime.env_cli",
+            "show rank, world, master, device, CPU set and every variable launch would set, and why"),
+    "sbatch": ("megatron_ds.runtime.sbatch",
+               "write a Slurm (pyxis, apptainer, host) or PBS job script that runs an entrypoint command"),
+    "preprocess": ("megatron_ds.data.preprocess",
+                   "tokenize JSON lines into Megatron indexed datasets (tools/preprocess_data.py flags)"),
+    "launch": ("megatron_ds.runtime.launch_cli",
+               "run any command as the ranks of this job (spawn + supervise, or map + exec)"),
+    "convert": ("megatron_ds.convert.cli",
+                "export a checkpoint as a Hugging Face model (TP/PP shards merged), "
+                "or import one (--from hf) at a chosen TP/PP"),
 }
 
 

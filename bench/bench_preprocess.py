@@ -12,7 +12,8 @@ that does not depend on other load on a shared machine).
 Each worker count runs --repeat times, interleaved; the speed-up target is judged on the medians, the
 fastest runs are recorded beside them (other load on a
 shared machine only ever slows a run down). The outputs of all runs must be byte-identical.
-Writes bench/results/<name>.json with the command, machine, load average and date. Targets (issue 2): >= 5 MB/s per worker, 2 workers >= 1.6x.
+Writes bench/results/<name>.json with the command, machine, load average and date. Targets (issue 2): >= 5 MB/s per
+worker, 2 workers >= 1.6x.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                "mb_per_cpu_s": round(size / 1e6 / cpu_s, 3), "loadavg_before": load_before,
                "loadavg_after": os.getloadavg()}
         runs.append(run)
-        outputs[(attempt, workers)] = [(prefix.parent / f"{prefix.name}_text_document{ext}").read_bytes() for ext in (".bin", ".idx")]
+        outputs[(attempt, workers)] = [(prefix.parent / f"{prefix.name}_text_document{ext}").read_bytes()
+                                       for ext in (".bin", ".idx")]
         print(f"run {attempt}, workers={workers}: {run['wall_s']:.2f} s, {run['mb_per_s_wall']:.2f} MB/s wall "
               f"({run['mb_per_s_loop']:.2f} MB/s in the loop), {run['tokens_per_s_wall']:,} tokens/s, "
               f"{run['mb_per_cpu_s']:.2f} MB per CPU-second, "
@@ -171,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()}, **environment(),
         "input": {"path": str(src), "bytes": size, "documents_source": "stdlib .py sources, sorted, cycled"},
         "tokenizer": {"vocab_file": vocab, "merge_file": merges, "vocab_size": args.vocab_size},
-        "tokenizer_backend": backend, "tokenizer_only_mb_per_cpu_s": round(ceiling, 3), "runs": runs, "best": list(by_workers.values()), "outputs_identical": identical, "speedup_2_over_1": round(speedup, 3) if speedup else None,
+        "tokenizer_backend": backend, "tokenizer_only_mb_per_cpu_s": round(ceiling, 3), "runs": runs,
+        "best": list(by_workers.values()), "outputs_identical": identical,
+        "speedup_2_over_1": round(speedup, 3) if speedup else None,
         "median_wall_s": median_wall, "median_speedup_2_over_1": round(median_speedup, 3) if median_speedup else None,
         "targets": {"mb_per_s_per_worker": 5.0, "speedup_2_over_1": 1.6},
     }

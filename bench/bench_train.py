@@ -8,7 +8,8 @@ real data through the real data path (a synthetic Megatron indexed dataset of un
 written once by our IndexedDatasetWriter, GPT-2's vocabulary size via NullTokenizer unless the flags name
 --data-path), --train-iters, --log-interval 1 (unless the flags give one: with N > 1 each record averages N
 steps and the device is synchronised once per N, as in real training) and --metrics-file. It drops the
-records up to iteration --warmup-steps and reports medians of tokens/s, TFLOP/s per GPU, MFU, step time and peak memory, and writes
+records up to iteration --warmup-steps and reports medians of tokens/s, TFLOP/s per GPU, MFU, step time and peak
+memory, and writes
 bench/results/<name>.json (command, git commit, GPU, torch, DeepSpeed, date, per-step metrics, the console
 tail) and refreshes the table in bench/RESULTS.md. With --baseline it then runs
 bench/baseline_hf_deepspeed.py on the same shape, batch and ZeRO stage in the same call and reports

@@ -9,7 +9,8 @@ eager; on CPU/gloo they are equal. Without a second GPU this probe puts both TP 
          shows a fault that needs real communication.
 each with the collectives parallel/mappings.py used before (MDS_TP_COLLECTIVES=inplace: the c10d calls that
 write in place or into an output argument) and now (functional: torch's functional collectives), TP=2 with and
-without sequence parallelism. Each case: one forward/backward of a bf16 GPTModel eager, again eager (the baseline must repeat),
+without sequence parallelism. Each case: one forward/backward of a bf16 GPTModel eager, again eager (the
+baseline must repeat),
 then with every TransformerLayer compiled; per rank the loss, the local gradient norm and the largest gradient
 difference. A case is BAD when compiled and eager gradient norms differ by more than 5%.
 Measured on CPU (--cpu): torch 2.13 every row ok; torch 2.11 the `inplace` rows BAD (compiled gradient norm

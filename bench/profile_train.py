@@ -7,7 +7,8 @@ Builds exactly what `entrypoint train` builds for those flags (parse_args/valida
 build_engine) in one process, times --steps steps with CUDA sync (median after 3 warm-up steps), then
 profiles two steps and writes the top kernels/ops table. A --variant changes one thing, to measure a fix
 before anyone writes it: "cudnn" (SDPA prefers the cuDNN attention kernel), "compile" (torch.compile of
-each transformer layer; without it the layers run eager, whatever the CUDA default), "nodrop" (dropout off), "autocast" (fp32 weights, no DeepSpeed bf16 wrapper, the
+each transformer layer; without it the layers run eager, whatever the CUDA default), "nodrop" (dropout off),
+"autocast" (fp32 weights, no DeepSpeed bf16 wrapper, the
 step under torch.autocast(bf16): what nanoGPT-style training does), "igu" (DeepSpeed's bf16
 immediate_grad_update), or combinations joined by "+". Step time is reported twice: the median of
 steps synchronised one by one, and the mean over the same number of steps run back to back (one
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                "mfu_unsynced": tokens * fpt / world / unsynced / 989e12,
                "phases_s": {k: statistics.median(v) for k, v in phases.items()}, "times": times,
                "phases_per_step_s": {k: [round(x, 4) for x in v] for k, v in phases.items()}}
-    print("[profile] " + json.dumps({k: v for k, v in summary.items() if k not in ("times", "phases_per_step_s")}), flush=True)
+    print("[profile] " + json.dumps({k: v for k, v in summary.items() if k not in ("times", "phases_per_step_s")}),
+          flush=True)
     if args.profile_optimizer_step:
         from torch.profiler import ProfilerActivity, profile
 

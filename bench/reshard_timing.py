@@ -72,7 +72,8 @@ def main() -> int:
     p.add_argument("--preset", default="GPT1_3B")
     p.add_argument("--from-tp", type=int, default=2)
     p.add_argument("--to-tp", type=int, default=1)
-    p.add_argument("--seq-length", type=int, default=128, help="of the one source iteration (shapes do not depend on it)")
+    p.add_argument("--seq-length", type=int, default=128,
+                   help="of the one source iteration (shapes do not depend on it)")
     p.add_argument("--work-dir", type=Path, default=Path(os.environ.get("MDS_BENCH_WORK", "/tmp/mds_bench")))
     p.add_argument("--machine", default="", help="words for the record (cores, memory, what else ran)")
     args = p.parse_args()
@@ -103,7 +104,8 @@ def main() -> int:
             record["reshard"]["phases_s"] = dict(zip(("gather", "merge", "scatter"), map(float, phases.groups())))
         if record["reshard"]["exit_code"] == 0:
             record["resume"] = timed(entry + ["train", *model, "--train-iters", "2", "--tensor-model-parallel-size",
-                                              str(args.to_tp), "--load", str(dst), "--use-checkpoint-opt_param-scheduler",
+                                              str(args.to_tp), "--load", str(dst),
+                                              "--use-checkpoint-opt_param-scheduler",
                                               "--nproc-per-node",
                                               str(args.to_tp)], env, work / "resume.log")
     path = write_record(record, RESULTS, args.name)

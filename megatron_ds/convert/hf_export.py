@@ -34,7 +34,8 @@ def true_vocab_size(args: dict) -> int:
                                     vocab_size=args.get("vocab_size"))
     except Exception as exc:  # files moved since training, a tokenizer type we cannot rebuild, ...
         raise CheckpointError(f"cannot rebuild the tokenizer the checkpoint was trained with "
-                              f"(--tokenizer-type {args.get('tokenizer_type')}, --vocab-file {args.get('vocab_file')}): "
+                              f"(--tokenizer-type {args.get('tokenizer_type')}, "
+                              f"--vocab-file {args.get('vocab_file')}): "
                               f"{exc}; pass --vocab-size N (the unpadded vocabulary size)") from exc
     return int(tokenizer.vocab_size)
 
@@ -80,10 +81,12 @@ def _gpt2(sd: dict, args: dict, vocab: int, num_layers: int) -> tuple[dict, dict
                 p + "attention.qkv.local.bias", 3 * h),
             q + "attn.c_proj.weight": sd[p + "attention.proj.local.weight"].t(), q + "attn.c_proj.bias": b(
                 p + "attention.proj.bias", h),
-            q + "ln_2.weight": sd[p + "post_attention_norm.weight"], q + "ln_2.bias": sd[p + "post_attention_norm.bias"],
+            q + "ln_2.weight": sd[p + "post_attention_norm.weight"],
+            q + "ln_2.bias": sd[p + "post_attention_norm.bias"],
             q + "mlp.c_fc.weight": sd[p + "mlp.fc1.local.weight"].t(),
             q + "mlp.c_fc.bias": b(p + "mlp.fc1.local.bias", ffn),
-            q + "mlp.c_proj.weight": sd[p + "mlp.fc2.local.weight"].t(), q + "mlp.c_proj.bias": b(p + "mlp.fc2.bias", h),
+            q + "mlp.c_proj.weight": sd[p + "mlp.fc2.local.weight"].t(),
+            q + "mlp.c_proj.bias": b(p + "mlp.fc2.bias", h),
         })
     out["transformer.ln_f.weight"] = sd["final_norm.norm.weight"]
     out["transformer.ln_f.bias"] = sd["final_norm.norm.bias"]

@@ -76,7 +76,8 @@ def model_flags(config: dict, hf_dir: str) -> list[str]:
                  "--ffn-hidden-size", config.get("n_inner") or 4 * h, "--seq-length", config["n_positions"],
                  "--max-position-embeddings", config["n_positions"],
                  "--norm-epsilon", config.get("layer_norm_epsilon", 1e-5),
-                 "--hidden-dropout", config.get("resid_pdrop", 0.1), "--attention-dropout", config.get("attn_pdrop", 0.1)]
+                 "--hidden-dropout", config.get("resid_pdrop", 0.1),
+                 "--attention-dropout", config.get("attn_pdrop", 0.1)]
         if act != "gelu":  # gelu_new, gelu_pytorch_tanh: the tanh approximation
             flags.append("--openai-gelu")
         tied = config.get("tie_word_embeddings", True)
@@ -97,7 +98,8 @@ def model_flags(config: dict, hf_dir: str) -> list[str]:
                  "--num-key-value-heads", config.get("num_key_value_heads") or heads,
                  "--ffn-hidden-size", config["intermediate_size"], "--seq-length", config["max_position_embeddings"],
                  "--max-position-embeddings", config["max_position_embeddings"], "--position-embedding-type", "rope",
-                 "--rotary-base", theta, "--normalization", "RMSNorm", "--norm-epsilon", config.get("rms_norm_eps", 1e-6),
+                 "--rotary-base", theta, "--normalization", "RMSNorm",
+                 "--norm-epsilon", config.get("rms_norm_eps", 1e-6),
                  "--swiglu", "--hidden-dropout", 0.0, "--attention-dropout", config.get("attention_dropout", 0.0)]
         if not bias:
             flags.append("--disable-bias-linear")
@@ -115,7 +117,8 @@ def tokenizer_flags(hf_dir: str) -> list[str]:
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         return ["--tokenizer-type", "HFTokenizer", "--tokenizer-model", hf_dir]
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
-        return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(hf_dir, "tokenizer.model")]
+        return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                os.path.join(hf_dir, "tokenizer.model")]
     return []
 
 
@@ -241,7 +244,8 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
                              source={"format": "hf", "path": os.path.abspath(hf_dir),
                                      "architecture": SUPPORTED[config["model_type"]]})
     return {"directory": directory, "flags": flags + layout_flags[:4], "warnings": warnings,
-            "architecture": SUPPORTED[config["model_type"]], "vocab_size": vocab, "tokenizer": "--tokenizer-type" in flags}
+            "architecture": SUPPORTED[config["model_type"]], "vocab_size": vocab,
+            "tokenizer": "--tokenizer-type" in flags}
 
 
 def describe(result: dict) -> str:

@@ -192,7 +192,8 @@ def model_flags(args: Namespace) -> list[str]:
         (get("squared_relu"), "--squared-relu"),
         (get("use_rotary_position_embeddings") and get("add_position_embedding", False),
          "both rotary and learned position embeddings"),
-        (get("kv_channels") not in (None, args.hidden_size // args.num_attention_heads), "--kv-channels != hidden/heads"),
+        (get("kv_channels") not in (None, args.hidden_size // args.num_attention_heads),
+         "--kv-channels != hidden/heads"),
         (get("num_tokentypes", 0), "token-type embeddings")) if bad]
     if problems:
         raise CheckpointError("the Megatron-DeepSpeed model has what mds's GPT does not: " + "; ".join(problems))
@@ -201,9 +202,11 @@ def model_flags(args: Namespace) -> list[str]:
              "--num-attention-heads", args.num_attention_heads,
              "--num-key-value-heads", get("num_key_value_heads") or args.num_attention_heads,
              "--ffn-hidden-size", get("ffn_hidden_size") or 4 * args.hidden_size,
-             "--seq-length", args.seq_length, "--max-position-embeddings", get("max_position_embeddings") or args.seq_length,
+             "--seq-length", args.seq_length,
+             "--max-position-embeddings", get("max_position_embeddings") or args.seq_length,
              "--norm-epsilon", get("layernorm_epsilon", 1e-5),
-             "--normalization", "RMSNorm" if str(get("normalization", "layernorm")).lower() == "rmsnorm" else "LayerNorm"]
+             "--normalization",
+             "RMSNorm" if str(get("normalization", "layernorm")).lower() == "rmsnorm" else "LayerNorm"]
     if rope:
         flags += ["--position-embedding-type", "rope", "--rotary-base", get("rope_theta", 10000)]
     if get("swiglu"):
@@ -218,7 +221,8 @@ def model_flags(args: Namespace) -> list[str]:
 
 
 def _ours(name: str) -> str:
-    """Our attribute path of a Megatron-named weight: ``layers.3.mlp.dense_h_to_4h.weight`` -> ``layers.3.mlp.fc1.weight``."""
+    """Our attribute path of a Megatron-named weight: ``layers.3.mlp.dense_h_to_4h.weight`` ->
+    ``layers.3.mlp.fc1.weight``."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     match = re.match(r"^layers\.(\d+)\.(.+)\.(weight|bias)$", name)
@@ -268,7 +272,8 @@ def import_megatron_deepspeed(source: str, out_dir: str, *, tp: int = 1, pp: int
         config = shapes.gpt_config(args, padded)
         config.validate(tp)
     except ValueError as exc:
-        raise CheckpointError(f"--from megatron-deepspeed {source}: the model does not fit mds at TP {tp}: {exc}") from exc
+        raise CheckpointError(f"--from megatron-deepspeed {source}: the model does not fit mds at TP {tp}: "
+                              f"{exc}") from exc
     model = split_records.meta_model(config)
     record = split_records.record(model)
     name_of = split_records.name_of(model)

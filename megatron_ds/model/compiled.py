@@ -88,7 +88,8 @@ def _fall_back(err: BaseException) -> None:
     global _failure
     _failure = describe_compile_error(err)
     rank = ""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
         rank = f" (rank {torch.distributed.get_rank()})"
     print(f"mds: WARNING{rank}: torch.compile of the transformer layers failed ({_failure}); they run eager for "
           "the rest of this run", file=sys.stderr, flush=True)

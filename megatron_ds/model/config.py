@@ -132,7 +132,8 @@ class GPTConfig:
     recompute_num_layers: int = 1
     checkpoint_activations: bool = False  # the older switch: = full, uniform
     torch_compile: bool = False  # each TransformerLayer's forward through torch.compile (fused element-wise work)
-    tp_comm_overlap: str | None = None  # reorder | pipeline | chunked | wgrad: TP collectives overlap compute (overlap.py)
+    tp_comm_overlap: str | None = None  # reorder | pipeline | chunked | wgrad: TP collectives overlap compute
+                                        # (overlap.py)
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
 

@@ -36,7 +36,8 @@ def visible_gpus(env: Mapping[str, str] = os.environ, root: str = "/") -> int:
         if value is not None:
             return len([d for d in value.split(",") if d.strip() and d.strip() != "-1"])
     # Device nodes first: a container holds only the GPUs it was given, /proc may list the host's.
-    nvidia = glob.glob(os.path.join(root, "dev/nvidia[0-9]*")) or glob.glob(os.path.join(root, "proc/driver/nvidia/gpus/*"))
+    nvidia = (glob.glob(os.path.join(root, "dev/nvidia[0-9]*"))
+              or glob.glob(os.path.join(root, "proc/driver/nvidia/gpus/*")))
     if nvidia:
         return len(nvidia)
     amd = 0  # kfd topology: CPU nodes have simd_count 0

@@ -122,7 +122,8 @@ def _from_rank_variables(env: Mapping[str, str]) -> _Raw:
 
 
 def _from_slurm(env: Mapping[str, str]) -> _Raw:
-    nodelist_var = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)), None)
+    nodelist_var = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)),
+                        None)
     try:
         nodes = tuple(expand_hostlist(env[nodelist_var])) if nodelist_var else ()
         per_node_var = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(n)), None)
@@ -133,7 +134,8 @@ def _from_slurm(env: Mapping[str, str]) -> _Raw:
     nnodes = _first_int(env, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
     node_rank = _first_int(env, "SLURM_NODEID")
     local_size = None
-    names = {"rank": "SLURM_PROCID", "world_size": world_var, "local_rank": "SLURM_LOCALID", "node_rank": "SLURM_NODEID",
+    names = {"rank": "SLURM_PROCID", "world_size": world_var, "local_rank": "SLURM_LOCALID",
+             "node_rank": "SLURM_NODEID",
              "num_nodes": nnodes[0] if nnodes else "SLURM_NNODES", "nodes": nodelist_var or "SLURM_JOB_NODELIST",
              "local_world_size": "SLURM_STEP_TASKS_PER_NODE"}
     if per_node:
@@ -162,7 +164,8 @@ def _from_pals(env: Mapping[str, str]) -> _Raw:
     node = _first_int(env, "PALS_NODEID")
     return _Raw("pals", _int(env, rank_var), _int(env, "PMI_SIZE"), _int(env, local_var), local[1] if local else None,
                 node[1] if node else None, len(nodes) or None, nodes,
-                {"rank": rank_var, "world_size": "PMI_SIZE", "local_rank": local_var, "local_world_size": "PMI_LOCAL_SIZE",
+                {"rank": rank_var, "world_size": "PMI_SIZE", "local_rank": local_var,
+                 "local_world_size": "PMI_LOCAL_SIZE",
                  "node_rank": "PALS_NODEID", "num_nodes": "PBS_NODEFILE", "nodes": "PBS_NODEFILE"},
                 env.get("PBS_JOBID") or None)
 
@@ -224,14 +227,15 @@ def _raw(env: Mapping[str, str]) -> _Raw | None:
     if env.get("PALS_RANKID", "") != "" or (env.get("PMI_RANK", "") != "" and env.get("PMI_LOCAL_RANK", "") != ""):
         return _from_pals(env)
     if env.get("OMPI_COMM_WORLD_RANK", "") != "":
-        return _from_generic("openmpi", env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                             "OMPI_COMM_WORLD_LOCAL_SIZE")
+        return _from_generic("openmpi", env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                             "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
     if env.get("PMI_RANK", "") != "":
         return _from_generic("mpich", env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     if env.get("PMIX_RANK", "") != "":
         return _from_pmix(env)
     if env.get("FLUX_TASK_RANK", "") != "":
-        return _from_generic("flux", env, "FLUX_TASK_RANK", "FLUX_JOB_SIZE", "FLUX_TASK_LOCAL_ID", "FLUX_TASK_LOCAL_SIZE",
+        return _from_generic("flux", env, "FLUX_TASK_RANK", "FLUX_JOB_SIZE", "FLUX_TASK_LOCAL_ID",
+                             "FLUX_TASK_LOCAL_SIZE",
                              nnodes="FLUX_JOB_NNODES", job="FLUX_JOB_ID")
     return None
 
@@ -285,10 +289,12 @@ def discover(env: Mapping[str, str] = os.environ) -> RankInfo:
     elif num_nodes == 1:
         master = "127.0.0.1"
     else:
-        raise DiscoveryError(f"{raw.source}: {num_nodes} nodes but no node list to take the master from: set MASTER_ADDR")
+        raise DiscoveryError(f"{raw.source}: {num_nodes} nodes but no node list to take the master from: "
+                             "set MASTER_ADDR")
     port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else job_port(raw.job_id)
     return RankInfo(raw.rank, raw.world_size, raw.local_rank, local_size, node_rank, num_nodes,
-                    raw.nodes or ((socket.gethostname(),) if num_nodes == 1 else ()), master, port, raw.source, raw.job_id)
+                    raw.nodes or ((socket.gethostname(),) if num_nodes == 1 else ()), master, port,
+                    raw.source, raw.job_id)
 
 
 def as_spawned(info: RankInfo, local_rank: int, nproc: int) -> RankInfo:

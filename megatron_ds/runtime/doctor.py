@@ -316,7 +316,8 @@ def _platform_checks(torch_ok: bool) -> tuple[list[Check], list[dict]]:
         else:
             checks.append(Check("rccl", None, detail="CUDA build: NCCL instead" if cuda else "CPU build"))
     except Exception as err:
-        checks += [Check("rccl" if hip else "nccl", False, detail=_error(err)), Check("rccl" if not hip else "nccl", None)]
+        checks += [Check("rccl" if hip else "nccl", False, detail=_error(err)),
+                   Check("rccl" if not hip else "nccl", None)]
     if not (hip or cuda):
         checks = [c if c.name not in ("nccl", "rccl") else Check(c.name, None, detail="CPU build of torch")
                   for c in checks]
@@ -419,7 +420,8 @@ def run_checks(flavour: str | None) -> dict:
         checks.append(Check("gpus", False, detail="a GPU cannot be queried", required=True))
     failures = [c.name for c in checks if (c.required and c.ok is not True) or c.ok is False]
     return {"flavour": flavour, "checks": [asdict(c) | {"state": c.state} for c in checks], "gpus": gpus,
-            "network_plugins": libraries, "network_plugins_on_disk": _plugins_on_disk(os.environ), "patch_manifest": manifest, "failures": failures,
+            "network_plugins": libraries, "network_plugins_on_disk": _plugins_on_disk(os.environ),
+            "patch_manifest": manifest, "failures": failures,
             "seconds": round(time.monotonic() - start, 2)}
 
 
@@ -433,7 +435,8 @@ def _text(report: dict) -> str:
                      f"{gpu['name']}, {gpu['memory_gib']} GiB, capability {gpu['capability']}"
                      + (f", {gpu['arch']}" if gpu.get("arch") else "")))
     for lib in report["network_plugins"]:
-        lines.append(f"   network plugin {lib['role']}: {lib['loaded'] or 'MISSING (' + '; '.join(lib['errors'])[:200] + ')'}")
+        lines.append(f"   network plugin {lib['role']}: "
+                     f"{lib['loaded'] or 'MISSING (' + '; '.join(lib['errors'])[:200] + ')'}")
     lines.append("   network plugins on disk: " + (", ".join(report["network_plugins_on_disk"]) or "none"))
     lines.append("   (* = required by the flavour)")
     lines.append("FAILED: " + ", ".join(report["failures"]) if report["failures"] else "all checks passed")
@@ -444,7 +447,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="entrypoint doctor",
         description="Report Python, torch, CUDA/ROCm, NCCL/RCCL, GPUs, DeepSpeed, Transformer Engine, flash-attn, "
-                    "apex, MS-AMP, torchao, triton, tokenizers, tensorboard, safetensors (version + a functional check each), the site profile and "
+                    "apex, MS-AMP, torchao, triton, tokenizers, tensorboard, safetensors "
+                    "(version + a functional check each), the site profile and "
                     "its network plugin, and the image's patch manifest.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--strict", action="store_true",

@@ -19,10 +19,12 @@ from megatron_ds.runtime.profiles import ProfileError
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """The flags shared by `launch` and `env`."""
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                        help="ranks to spawn when this task is alone on its node (default: the GPUs visible; 1 without)")
+                        help="ranks to spawn when this task is alone on its node "
+                             "(default: the GPUs visible; 1 without)")
     parser.add_argument("--profile", default=None, metavar="NAME",
                         help="site profile (default: $MDS_PROFILE, else detected); `entrypoint env --list-profiles`")
-    parser.add_argument("--master-addr", default=None, help="overrides MASTER_ADDR (default: the first host of the job)")
+    parser.add_argument("--master-addr", default=None,
+                        help="overrides MASTER_ADDR (default: the first host of the job)")
     parser.add_argument("--master-port", type=int, default=None,
                         help="overrides MASTER_PORT (default: derived from the job id)")
 
@@ -43,16 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run CMD as the ranks of this job: finds rank/world/master from torchrun, Slurm, PALS/PMI, "
                     "Open MPI, MPICH, PMIx or Flux variables, applies the site profile, and either execs CMD "
                     "(one task per GPU) or spawns and supervises --nproc-per-node copies (one task per node).",
-        epilog="examples:\n  entrypoint launch --nproc-per-node 2 -- python -c 'import os; print(os.environ[\"RANK\"])'\n"
+        epilog="examples:\n"
+               "  entrypoint launch --nproc-per-node 2 -- python -c 'import os; print(os.environ[\"RANK\"])'\n"
                "  srun -N2 --ntasks-per-node=1 entrypoint launch --label -- python train.py\n\n"
                "exit codes: the first failed rank's (killed by signal N: 128+N); 124 when the ranks hung (no progress\n"
-               "within the watchdog's allowance: stacks dumped, stuck rank named); 2 for inconsistent launcher variables",
+               "within the watchdog's allowance: stacks dumped, stuck rank named); "
+               "2 for inconsistent launcher variables",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_flags(parser)
     parser.add_argument("--strict", action="store_true",
                         help="fail (exit 2) when the profile's network plugin cannot be loaded, instead of warning")
     parser.add_argument("--label", action="store_true", help="prefix each output line of a spawned rank with [rankN]")
-    parser.add_argument("--tee", default=None, metavar="DIR", help="also write each spawned rank's output to DIR/rankN.log")
+    parser.add_argument("--tee", default=None, metavar="DIR",
+                        help="also write each spawned rank's output to DIR/rankN.log")
     parser.add_argument("--grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",

@@ -295,7 +295,8 @@ def online_cpus() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def cpus_for(profile: Profile, local_rank: int, env: Mapping[str, str] = os.environ) -> tuple[tuple[int, ...] | None, str]:
+def cpus_for(profile: Profile, local_rank: int,
+             env: Mapping[str, str] = os.environ) -> tuple[tuple[int, ...] | None, str]:
     """The CPU set of a local rank under this profile and why (None: leave the binding alone)."""
     if not env_settings.CPU_BIND.get(env):
         return None, f"{env_settings.CPU_BIND.name}=none"

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                "      -o job.sh -- train --preset GPT1_5B --data-path data/demo/text_document\n"
                "  entrypoint sbatch --nodes 16 --gpus-per-node 8 --image mds-rocm.sif --runtime apptainer \\\n"
                "      --profile lumi --account project_465000000 --partition standard-g -o job.sh -- train ...\n"
-               "  entrypoint sbatch --scheduler pbs --nodes 2 --gpus-per-node 4 --image mds.sif --runtime apptainer \\\n"
+               "  entrypoint sbatch --scheduler pbs --nodes 2 --gpus-per-node 4 "
+               "--image mds.sif --runtime apptainer \\\n"
                "      --profile polaris --account MyProject --partition debug -o job.pbs -- train ...",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-N", "--nodes", type=int, required=True, help="number of nodes")
@@ -104,7 +105,8 @@ def _container(a, profile) -> list[str]:
     """The words that put the entrypoint inside the container (empty for --runtime none)."""
     mounts = ["${WORKDIR}"] + a.mount
     if a.runtime == "pyxis":
-        return [_Shell(f"--container-image={shlex.quote(a.image)}"), _Shell("--container-mounts=" + _dq(",".join(mounts))),
+        return [_Shell(f"--container-image={shlex.quote(a.image)}"),
+                _Shell("--container-mounts=" + _dq(",".join(mounts))),
                 _Shell('--container-workdir="${WORKDIR}"'), "--no-container-mount-home"]
     if a.runtime == "apptainer":
         gpu_flag = "--rocm" if profile is not None and profile.platform == "rocm" else "--nv"

@@ -129,7 +129,8 @@ class Verdict:
     def describe(self, timeout_note: str) -> str:
         now = time.time()
         each = "; ".join(f"rank {r.rank}: silent {now - r.time:.0f} s, allowance {r.allowance:g} s in phase "
-                         f"'{r.phase}', last iteration {r.iteration}" for r in sorted(self.overdue, key=lambda r: r.rank))
+                         f"'{r.phase}', last iteration {r.iteration}"
+                         for r in sorted(self.overdue, key=lambda r: r.rank))
         lines = [f"HANG: no rank made progress within its allowance ({timeout_note}): {each}"]
         if self.stuck:
             for rank, why in sorted(self.stuck.items()):

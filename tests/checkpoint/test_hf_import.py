@@ -1,6 +1,7 @@
 """`entrypoint convert --from hf`: small randomly initialised HF GPT-2 and LLaMA models, saved locally.
 
-Each is imported (GPT-2 with its own default GeLU, the tanh approximation: --openai-gelu), our forward (built from the flags the import printed, loading the files it wrote)
+Each is imported (GPT-2 with its own default GeLU, the tanh approximation: --openai-gelu), our forward
+(built from the flags the import printed, loading the files it wrote)
 must give HF's logits within 1e-4 (fp32; single process and TP=2 through real gloo ranks), export
 must give back HF's tensors exactly, and `entrypoint train --load --finetune` must run from it.
 """

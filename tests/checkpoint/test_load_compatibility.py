@@ -87,7 +87,8 @@ def test_same_size_other_tokenizer_is_refused(saved, demo_corpus, tmp_path):
 
 def test_resolved_shape_differences_are_each_named(saved, demo_corpus, tmp_path):
     stderr = _refused(saved, demo_corpus, tmp_path, ["--num-key-value-heads", "2", "--disable-bias-linear",
-                                                     "--ffn-hidden-size", "128", "--untie-embeddings-and-output-weights"])
+                                                     "--ffn-hidden-size", "128",
+                                                     "--untie-embeddings-and-output-weights"])
     assert "--num-key-value-heads: checkpoint 4, this run 2" in stderr
     assert "--disable-bias-linear (add_bias_linear): checkpoint True, this run False" in stderr
     assert "--ffn-hidden-size: checkpoint 256, this run 128" in stderr

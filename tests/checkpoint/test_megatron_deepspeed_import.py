@@ -59,7 +59,8 @@ def write_megatron(ranks: list[dict], args: Namespace, root: Path, pp: int, vers
                 encoder.update({f"layers.{local}.{k}": v for k, v in layer.items()})
             language_model = {}
             if p == 0:
-                language_model["embedding"] = {key.split(".")[0]: {"weight": v} for key, v in pieces["embedding"].items()}
+                language_model["embedding"] = {key.split(".")[0]: {"weight": v}
+                                              for key, v in pieces["embedding"].items()}
             if p == pp - 1:
                 encoder.update({f"final_layernorm.{k}": v for k, v in pieces["final"].items()})
                 if pieces["head"] is not None:

@@ -90,8 +90,8 @@ def first_half(tmp_path_factory, demo_corpus):
         if name not in cache:
             ranks, flags, _ = LAYOUTS[name]
             cwd = tmp_path_factory.mktemp(f"first-{name}")
-            run(train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--save-interval", "5", "--exit-interval", "5"],
-                           10), cwd)
+            run(train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--save-interval", "5",
+                                                "--exit-interval", "5"], 10), cwd)
             assert (cwd / "ckpt" / "latest").read_text() == "iter_0000005"
             cache[name] = cwd
         return cache[name]
@@ -185,7 +185,8 @@ def test_vocabulary_padding_follows_the_target_tp(first_half, demo_corpus, tmp_p
         directory = ckpt / "iter_0000002"
         return merged_state_dict(str(directory), json.loads((directory / "mds_checkpoint.json").read_text()))
 
-    original, tp1, again = weights(source / "ckpt"), weights(tmp_path / "tp1" / "ckpt"), weights(tmp_path / "tp2-again" / "ckpt")
+    original, tp1, again = (weights(source / "ckpt"), weights(tmp_path / "tp1" / "ckpt"),
+                            weights(tmp_path / "tp2-again" / "ckpt"))
     name = "embedding.word_embeddings.weight"
     assert (original[name].shape[0], tp1[name].shape[0], again[name].shape[0]) == (4200, 4100, 4200)
     assert torch.equal(tp1[name], original[name][:4100])

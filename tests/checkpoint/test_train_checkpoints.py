@@ -295,7 +295,8 @@ def test_export_llama_style_tp2_matches_our_logits(demo_corpus, tmp_path):
                    iters=2, model=["--preset", "LLAMA_TINY"]), tmp_path)
     _convert(tmp_path / "ckpt", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (config["num_key_value_heads"], config["num_attention_heads"], config["tie_word_embeddings"]) == (2, 4, False)
+    assert (config["num_key_value_heads"], config["num_attention_heads"],
+            config["tie_word_embeddings"]) == (2, 4, False)
     tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(2))
     ours = _our_logits(tmp_path / "ckpt" / "iter_0000002", tokens, tmp_path, tp=2)
     theirs = _hf_logits(tmp_path / "hf", tokens, "LlamaForCausalLM")

@@ -3,7 +3,8 @@
 
 Needs a Docker daemon and a BuildKit-capable client: the `docker` fixture (conftest.py) starts dockerd when
 none answers and fails these tests, naming the missing piece, when it cannot (the `docker` marker
-deselects them: README). The CPU base (Debian bookworm by debootstrap + the CPU torch wheel) is built once and cached by its
+deselects them: README). The CPU base (Debian bookworm by debootstrap + the CPU torch wheel) is built
+once and cached by its
 tag; the image builds reuse Docker's layer cache, so a rerun takes seconds.
 """
 

@@ -187,7 +187,8 @@ class ModuleIndex:
         for node in ast.parse(path.read_text(errors="replace")).body:
             self._collect(node, names, package)
         if path.name == "__init__.py":
-            names |= {p.stem for p in path.parent.glob("*.py")} | {p.parent.name for p in path.parent.glob("*/__init__.py")}
+            names |= ({p.stem for p in path.parent.glob("*.py")}
+                      | {p.parent.name for p in path.parent.glob("*/__init__.py")})
         self.cache[module] = names
         return names
 

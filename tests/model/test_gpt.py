@@ -77,7 +77,8 @@ def test_sdpa_equals_reference_attention(style):
 def test_gqa_attention_matches_explicit_head_mapping():
     """Query head i attends with kv head i // (nq / nkv), for every backend."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 5, 4, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)
+    q, k, v = (torch.randn(2, 5, 4, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g),
+               torch.randn(2, 5, 2, 8, generator=g))
     for backend in ("sdpa", "reference"):
         out = CoreAttention(backend)(q, k, v)
         for head in range(4):
@@ -335,7 +336,8 @@ def test_config_errors_name_the_flag():
     with pytest.raises(ModelConfigError, match="--num-attention-heads 4 must be divisible by --num-key-value-heads 3"):
         GPTConfig(**dict(BASE, num_key_value_heads=3))
     config = GPTConfig(**LLAMA)
-    with pytest.raises(ModelConfigError, match="--num-key-value-heads 2 must be divisible by --tensor-model-parallel-size 4"):
+    with pytest.raises(ModelConfigError, match="--num-key-value-heads 2 must be divisible by "
+                                               "--tensor-model-parallel-size 4"):
         config.validate(tp=4)
     with pytest.raises(ModelConfigError, match="--sequence-parallel needs --seq-length 6 divisible"):
         GPTConfig(**dict(BASE, seq_length=6, sequence_parallel=True)).validate(tp=4)

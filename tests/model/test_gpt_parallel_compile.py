@@ -230,7 +230,8 @@ def test_tp_comm_overlap_pipeline_fuses_every_sequence_parallel_gather_and_scatt
                 close(pipeline["grads"][name], grad, f"{case} rank {r} grad of {name}")
         plain, dropout = result["gpt2_sp"]["fused"], result["gpt2_sp_dropout"]["fused"]
         assert sorted(sum(dropout, [])) == sorted(sum(plain, [])), f"rank {r}: dropout {dropout} vs none {plain}"
-        assert len(dropout) <= len(plain) + 2, f"rank {r}: the dropout layer in more than two graphs each way: {dropout}"
+        assert len(dropout) <= len(plain) + 2, (f"rank {r}: the dropout layer in more than two graphs each way: "
+                                                f"{dropout}")
 
 
 # the batch split draws each half's dropout masks on its own: compared with halves run eagerly, which draws the same

@@ -67,10 +67,12 @@ def test_an_order_that_breaks_a_dependency_is_refused():
 def test_a_broken_order_keeps_the_schedule_it_was_given_with_one_warning(monkeypatch):
     # a pass that picked a GEMM the collective needs (a bug) must not compute wrong sums, nor cost the compile
     monkeypatch.setattr(cw, "_is_big_collective", lambda node: node.name == "rs")
-    monkeypatch.setattr(cw, "_wait_index", lambda order, at, needs: order.index(next(n for n in order if n.name == "wait")))
+    monkeypatch.setattr(cw, "_wait_index",
+                        lambda order, at, needs: order.index(next(n for n in order if n.name == "wait")))
     monkeypatch.setattr(cw, "_gemm_before", lambda order, at, placed, needs: 1)  # dgrad, which rs reads
     order = nodes(("grad", (), None), ("dgrad", ("grad",), MM), ("rs", ("dgrad",), None), ("wait", ("rs",), None))
-    with pytest.warns(RuntimeWarning, match="rs would run before dgrad, which it needs.*keeps --tp-comm-overlap reorder"):
+    with pytest.warns(RuntimeWarning, match="rs would run before dgrad, which it needs"
+                                            ".*keeps --tp-comm-overlap reorder"):
         kept = cw.fill_collective_windows(order)
     assert kept == order
 

@@ -123,7 +123,8 @@ def ulysses_groups_worker(sp: int) -> dict:
     from deepspeed.utils import groups as ds_groups
 
     st = state.init_parallel(1, 1, backend="gloo", sp=sp)
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)  # as build_engine does  # torch.distributed is up: only the groups are new
+    # torch.distributed is up: only the groups are new
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)  # as build_engine does
     mpu = st.mpu()
     sums = {}
     for name, group in (("sp", st.sp_group), ("dp", st.dp_group), ("sp_dp", st.sp_dp_group)):

@@ -182,7 +182,8 @@ def test_delayed_scaling_values_are_checked(files):
     (["--msamp-opt-level", "O2", "--zero-stage", "2"], "--zero-stage", "2 with MS-AMP is --msamp-opt-level O3"),
     (["--zero-stage", "1"], "--zero-stage", "O2 runs without ZeRO"),  # the default level: O2, as MS-AMP's patch
     (["--msamp-opt-level", "O3", "--zero-stage", "3"], "--msamp-opt-level", "needs --zero-stage 1 or 2 (got 3)"),
-    (["--msamp-opt-level", "O2", "--use-distributed-optimizer"], "--zero-stage", "1 with MS-AMP is --msamp-opt-level O3"),
+    (["--msamp-opt-level", "O2", "--use-distributed-optimizer"], "--zero-stage",
+     "1 with MS-AMP is --msamp-opt-level O3"),
     (["--torch-compile"], "--torch-compile", "not with MS-AMP (its FP8 weights are ScalingTensor objects"),
 ])
 def test_msamp_levels_and_layouts_are_checked_before_its_library(files, extra, flag, message):
@@ -227,7 +228,8 @@ def test_msamp_runs_without_fp8_gemms_with_a_notice_and_the_others_are_refused()
     notice = gemm_capability(msamp, "--msamp", (8, 0))  # A100
     assert notice.startswith("note: --msamp: the GPU has compute capability 8.0")
     assert "multiplies in higher precision there, as it documents" in notice
-    assert gemm_capability(msamp, "--msamp", (9, 0)) is None and gemm_capability(torchao, "--fp8-hybrid", (8, 9)) is None
+    assert (gemm_capability(msamp, "--msamp", (9, 0)) is None
+            and gemm_capability(torchao, "--fp8-hybrid", (8, 9)) is None)
     with pytest.raises(ConfigError, match="FP8 engine torchao: the GPU has compute capability 8.0"):
         gemm_capability(torchao, "--fp8-hybrid", (8, 0))
     with pytest.raises(ConfigError, match="FP8 engine msamp: no GPU is visible"):

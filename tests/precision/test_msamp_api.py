@@ -132,7 +132,8 @@ def test_msamp_levels_and_state_as_fp8_msamp_describes_them(msamp_source):
     assert "ZeroStageEnum.optimizer_states" in check and "ZeroStageEnum.gradients" in check
     assert ZERO_STAGES["O3"] == (1, 2)
     # its engine with `msamp.enabled` re-runs msamp.initialize on the model (why mds leaves the section out)
-    configure = ast.unparse(msamp_source.find("msamp.deepspeed.runtime.engine:MSAMPDeepSpeedEngine._configure_optimizer"))
+    configure = ast.unparse(msamp_source.find("msamp.deepspeed.runtime.engine:"
+                                              "MSAMPDeepSpeedEngine._configure_optimizer"))
     assert "self.msamp_enabled()" in configure and "msamp_initialize(self.module" in configure
     # LinearReplacer.replace broadcasts the FP8 weights over `group` from `src_rank` (mds: the DP group)
     replace = ast.unparse(msamp_source.find("msamp.nn:LinearReplacer.replace"))

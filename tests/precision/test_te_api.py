@@ -122,7 +122,8 @@ def test_every_te_name_and_keyword_we_use_exists_in_the_msamp_images_te(msamp_te
             node = msamp_te_source.find(f"{module}:{attribute}")
             assert node is not None, f"{module}.{attribute}: no definition found in TE {ref}"
             missing = set(keywords) - accepted_names(node)
-            assert not missing or takes_any_keyword(node), f"{module}.{attribute} does not take {sorted(missing)} in TE {ref}"
+            assert not missing or takes_any_keyword(node), (f"{module}.{attribute} does not take "
+                                                            f"{sorted(missing)} in TE {ref}")
 
 
 @pytest.mark.upstream_src

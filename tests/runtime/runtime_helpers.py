@@ -26,7 +26,8 @@ BIN = Path(sys.executable).parent
 ENTRYPOINT = str(BIN / "entrypoint")
 
 # Variables of any launcher: the tests build their own and must not inherit the outer job's.
-_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "PALS_", "FLUX_", "MPI_LOCAL", "TORCHELASTIC_", "MDS_", "PBS_")
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "PALS_", "FLUX_", "MPI_LOCAL", "TORCHELASTIC_", "MDS_",
+                      "PBS_")
 _LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES",
                    "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
 

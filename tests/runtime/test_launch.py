@@ -31,8 +31,8 @@ def test_spawner_runs_two_ranks_and_all_reduces(tmp_path):
 
 def test_torchrun(tmp_path):
     torchrun = str(Path(PY).parent / "torchrun")
-    result = _run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python", ENTRYPOINT, "launch", "--",
-                   PY, str(PROBE), str(tmp_path)])
+    result = _run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python",
+                   ENTRYPOINT, "launch", "--", PY, str(PROBE), str(tmp_path)])
     assert result.returncode == 0, result.stderr
     assert_two_ranks(tmp_path)
 
@@ -134,7 +134,8 @@ def test_rank_killed_by_sigkill_gives_137(tmp_path):
 
 def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path):
     # rank 0 ignores SIGTERM and keeps going (its sleeps die, the loop does not)
-    cmd = _launch_bash(tmp_path, 'trap "" TERM; if [ "$RANK" = 1 ]; then sleep 0.5; exit 5; fi; while :; do sleep 0.2; done',
+    cmd = _launch_bash(tmp_path, 'trap "" TERM; if [ "$RANK" = 1 ]; then sleep 0.5; exit 5; fi; '
+                       'while :; do sleep 0.2; done',
                        grace=1)
     start = time.monotonic()
     result = _run(cmd, env=clean_env(OUT=str(tmp_path)), timeout=60)
@@ -267,7 +268,8 @@ def test_rank_ld_preload_reaches_ranks_only(tmp_path, mode):
 
 def test_in_process_rank_reexecs_itself_with_the_rank_preload():
     """`entrypoint train` runs its rank in-process: become_rank re-runs the process so the preload takes effect."""
-    show = [PY, "-c", "import os; print('PRELOAD', os.environ.get('LD_PRELOAD'), 'libz.so' in open('/proc/self/maps').read())"]
+    show = [PY, "-c", "import os; print('PRELOAD', os.environ.get('LD_PRELOAD'), "
+                      "'libz.so' in open('/proc/self/maps').read())"]
     code = ("import sys; from megatron_ds.runtime.bootstrap import become_rank; "
             f"print('RESULT', become_rank(['launch', '--', *{show!r}]))")
     env = clean_env(MDS_RANK_LD_PRELOAD="libz.so.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",

@@ -156,11 +156,13 @@ def test_spawned_ranks_are_bound_to_the_profile_cpu_map(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.fail("this test needs 2 CPUs (CI has 2)")
-    _write_profile(tmp_path / "profiles", "two-cores", f"[profile]\ndescription = t\n[affinity]\ncpus = {cpus[0]} {cpus[1]}\n")
+    _write_profile(tmp_path / "profiles", "two-cores", "[profile]\ndescription = t\n[affinity]\n"
+                   f"cpus = {cpus[0]} {cpus[1]}\n")
     out = tmp_path / "out"
     out.mkdir()
     env = clean_env(MDS_PROFILE_PATH=str(tmp_path / "profiles"))
-    script = "import os, sys; open(sys.argv[1] + '/' + os.environ['RANK'], 'w').write(repr(sorted(os.sched_getaffinity(0))))"
+    script = ("import os, sys; open(sys.argv[1] + '/' + os.environ['RANK'], 'w')"
+              ".write(repr(sorted(os.sched_getaffinity(0))))")
     result = subprocess.run([ENTRYPOINT, "launch", "--profile", "two-cores", "--nproc-per-node", "2", "--", "python3",
                              "-c", script, str(out)], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -96,7 +96,8 @@ def test_doctor_strict_fails_on_the_wrong_platform_and_a_broken_manifest(tmp_pat
     (fakes / "apex.py").write_text('raise ImportError("apex_C.so: undefined symbol: _ZN3c10")\n')
     (fakes / "flash_attn.py").write_text('raise OSError("libcuda.so.1: cannot open shared object file")\n')
     # and a stack without tensorboard (--tensorboard-dir would fail): required, so strict names it
-    (fakes / "tensorboard.py").write_text('raise ModuleNotFoundError("No module named tensorboard", name="tensorboard")\n')
+    (fakes / "tensorboard.py").write_text('raise ModuleNotFoundError("No module named tensorboard", '
+                                           'name="tensorboard")\n')
     result, report, _ = _doctor("--strict", "--flavour", flavour, MDS_PATCH_MANIFEST=str(manifest),
                                 PYTHONPATH=str(fakes))
     assert result.returncode == 1

@@ -110,7 +110,8 @@ def test_launch_with_restarts_gives_up_on_a_restart_loop(tmp_path):
 @pytest.mark.slow
 def test_rank_without_a_supervisor_watches_itself(tmp_path):
     """One task per GPU (here: RANK set by hand, as a scheduler would): each rank's own watchdog ends it with 124.
-    Rank 0 (waiting in the collective, 3 s) fires before rank 1 (sleeping, 6 s), so neither sees the other's exit first."""
+    Rank 0 (waiting in the collective, 3 s) fires before rank 1 (sleeping, 6 s), so neither sees the other's
+    exit first."""
     from runtime_helpers import free_port
 
     port = str(free_port())
