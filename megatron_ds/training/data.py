@@ -28,7 +28,7 @@ def build_datasets(args):
     from megatron_ds.data.gpt_dataset import build_gpt_datasets
 
     return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples(args),
-                              cache_dir=args.data_cache_path)
+                              cache_dir=args.data_cache_path, order=getattr(args, "data_order", "megatron"))
 
 
 class MicroBatches:

@@ -32,20 +32,24 @@ def unshuffled(ds):
     return [ds[int(i)] for i in order]
 
 
+@pytest.mark.parametrize("order", ["megatron", "mds"])
 @pytest.mark.parametrize("num_samples", [20, 170])  # less than one epoch, and several epochs
-def test_every_token_of_the_split_in_order(tmp_path, num_samples):
+def test_every_token_of_the_split_in_order(tmp_path, num_samples, order):
     prefix, sizes = numbered_corpus(tmp_path / "c")
     train, valid, test = build_gpt_datasets([prefix], "80,15,5", SEQ, 1234, (num_samples, 7, 0),
-                                            cache_dir=str(tmp_path / "cache"))
+                                            cache_dir=str(tmp_path / "cache"), order=order)
     assert test is None and len(train) == num_samples and len(valid) == 7
     starts = np.concatenate(([0], np.cumsum(sizes)))
-    lo, hi = split_bounds("80,15,5", len(sizes))[0]
+    lo, hi = split_bounds("80,15,5", len(sizes), order)[0]
     assert (lo, hi) == (0, 48)
     doc_idx = np.asarray(train.doc_idx)
     epochs = len(doc_idx) // (hi - lo)
     assert len(doc_idx) == epochs * (hi - lo) and (epochs > 1) == (num_samples == 170)
-    for e in range(epochs):  # each epoch is a permutation of the split's documents
-        assert sorted(doc_idx[e * (hi - lo):(e + 1) * (hi - lo)].tolist()) == list(range(lo, hi))
+    if order == "mds":  # each epoch is a permutation of the split's documents
+        for e in range(epochs):
+            assert sorted(doc_idx[e * (hi - lo):(e + 1) * (hi - lo)].tolist()) == list(range(lo, hi))
+    else:  # Megatron shuffles the epochs together (the last one apart when it is short): each document E times
+        assert np.bincount(doc_idx, minlength=hi).tolist() == [0] * lo + [epochs] * (hi - lo)
     stream = np.concatenate([np.arange(starts[d], starts[d + 1]) for d in doc_idx])
     samples = unshuffled(train)
     for j, sample in enumerate(samples):
@@ -53,9 +57,11 @@ def test_every_token_of_the_split_in_order(tmp_path, num_samples):
         assert np.array_equal(sample, stream[j * SEQ: j * SEQ + SEQ + 1])
     # nothing outside the split's token range is ever read, in train or valid
     assert all(starts[lo] <= s.min() and s.max() < starts[hi] for s in samples)
-    vlo, vhi = split_bounds("80,15,5", len(sizes))[1]
+    vlo, vhi = split_bounds("80,15,5", len(sizes), order)[1]
     assert all(starts[vlo] <= valid[i].min() and valid[i].max() < starts[vhi] for i in range(len(valid)))
-    assert sorted(np.asarray(train.shuffle_idx).tolist()) == list(range(num_samples))
+    # mds: exactly the samples asked for; Megatron: every sample of the whole epochs, the first ones served
+    available = num_samples if order == "mds" else (epochs * int(sizes[lo:hi].sum()) - 1) // SEQ
+    assert sorted(np.asarray(train.shuffle_idx).tolist()) == list(range(available))
 
 
 def test_seed_changes_order_and_is_reproducible(tmp_path):
