@@ -403,6 +403,8 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
     if seq_length < 1:
         raise DataConfigError(f"--seq-length: must be at least 1, got {seq_length}")
     pairs = parse_data_path(data_path)
+    # Megatron blends a weighted list even of one dataset ("1.0 a": 0.5% more samples asked of it)
+    weighted = len(data_path.split() if isinstance(data_path, str) else data_path) > 1
     parse_split(split)
     opened: dict[str, IndexedDataset] = {}
     for _, prefix in pairs:
@@ -417,7 +419,7 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
         if wanted <= 0:
             result.append(None)
             continue
-        if len(pairs) == 1:
+        if len(pairs) == 1 and not (order == "megatron" and weighted):
             ds = opened[pairs[0][1]]
             start, end = split_bounds(split, len(ds), order)[s]  # a "document" here is one stored sequence
             result.append(GPTDataset(ds, name, (start, end), split, seq_length, seed, wanted, cache_dir, order)
