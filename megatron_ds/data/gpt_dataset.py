@@ -3,20 +3,22 @@
 A sample is ``seq_length + 1`` consecutive tokens of the shuffled document stream (inputs and
 shifted labels), running across document boundaries. Three index arrays describe a split:
 
-- doc_idx: the split's documents, one fresh permutation per epoch, for as many epochs as the
-  requested number of samples needs;
+- doc_idx: the split's documents for as many epochs as the requested number of samples needs;
 - sample_idx[i] = (position in doc_idx, token offset) of the first token of sample i; sample i
-  ends on the first token of sample i + 1 (so there are num_samples + 1 rows);
+  ends on the first token of sample i + 1;
 - shuffle_idx: the order in which samples are served.
 
-Megatron builds sample_idx with a compiled loop; here it is ``np.cumsum`` + ``np.searchsorted``,
-a billion-token corpus takes about a second. The arrays are saved under a name hashed from every
-input that affects them and memory-mapped on reuse. One process builds while the others wait
-(rank 0 then a barrier under torch.distributed, a file lock otherwise).
+Two orders (--data-order). ``megatron`` (default) builds Megatron-DeepSpeed's arrays, equal element for
+element (tests/data/test_megatron_order.py): all epochs' documents in one shuffle (the last epoch apart
+when short), sample_idx over every sample of those epochs, shuffle_idx from two shuffled ranges, all from
+one RandomState(seed); blends by its greedy rule. ``mds`` is the order mds used before: a fresh
+permutation per epoch, exactly num_samples samples, blending by due times (sample k of dataset d due at
+step (k + 1/2)/w_d, one stable argsort).
 
-Weighted lists (``0.3 a 0.7 b``) blend per split: step by step, the next sample comes from the
-dataset whose share is most behind its weight (sample k of dataset d is due at step (k + 1/2)/w_d;
-one stable argsort of those due times orders them all).
+Megatron builds sample_idx with a compiled loop; here it is ``np.cumsum`` + ``np.searchsorted``,
+a billion-token corpus takes about half a second. The arrays are saved under a name hashed from every
+input that affects them (the order too) and memory-mapped on reuse. One process builds while the others
+wait (rank 0 then a barrier under torch.distributed, a file lock otherwise).
 """
 
 from __future__ import annotations
@@ -373,6 +375,11 @@ class BlendedDataset:
 
         arrays = self.cache.get(build)
         self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
+        used = np.bincount(self.dataset_index, minlength=len(datasets))
+        for part, count in zip(datasets, used.tolist()):
+            if count and (part is None or count > len(part.shuffle_idx)):
+                raise DataConfigError(f"--data-path: the {description['split_name']} blend takes {count} samples of a "
+                                      f"dataset that has {len(part.shuffle_idx) if part else 0}")
 
     @property
     def built(self) -> bool:
@@ -437,12 +444,11 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
             result.append(None)  # the split is empty everywhere, as for a single dataset
             continue
         weights = [w for w, _ in pairs]
-        index = (megatron_blend_indices if order == "megatron" else blend_indices)(weights, wanted)[0]
-        used = np.bincount(index, minlength=len(pairs))
-        if order == "megatron":  # Megatron asks each dataset for 0.5% more than its share
-            counts = [max(int(math.ceil(wanted * w * 1.005)), int(u)) if u else 0 for w, u in zip(weights, used)]
+        if order == "megatron":  # each dataset asked for 0.5% more than its share; the blend is built (and cached) below
+            index, counts = None, [int(math.ceil(wanted * w * 1.005)) for w in weights]
         else:
-            counts = used
+            index = blend_indices(weights, wanted)[0]
+            counts = np.bincount(index, minlength=len(pairs))
         parts, descriptions = [], []
         for (w, prefix), count, (start, end) in zip(pairs, counts, bounds):
             ds = opened[prefix]
