@@ -174,3 +174,21 @@ def test_two_processes_only_one_builds(tmp_path, mode):
         assert outs[0][0].startswith("BUILT")  # rank 0 is the builder
         assert "FAILED: --data-path: the split's documents hold no tokens" in outs[0][0]
         assert "FAILED: rank 0 could not build the sample index" in outs[1][0] and "hold no tokens" in outs[1][0]
+
+
+def test_orders_have_their_own_caches_and_the_flag(tmp_path):
+    """--data-order mds keeps the earlier order; each order caches under its own names, never the other's."""
+    from megatron_ds.training.arguments.flags import build_parser
+
+    prefix, _ = numbered_corpus(tmp_path / "c")
+    cache = str(tmp_path / "cache")
+    megatron = build_gpt_datasets([prefix], "1", SEQ, 7, (50, 0, 0), cache_dir=cache)[0]
+    mds = build_gpt_datasets([prefix], "1", SEQ, 7, (50, 0, 0), cache_dir=cache, order="mds")[0]
+    assert megatron.built and mds.built
+    assert "_megatron_" in os.path.basename(megatron.cache.base) and "_mds_" in os.path.basename(mds.cache.base)
+    assert not all(np.array_equal(megatron[i], mds[i]) for i in range(50))
+    with pytest.raises(DataConfigError, match="--data-order: 'other'"):
+        build_gpt_datasets([prefix], "1", SEQ, 7, (50, 0, 0), cache_dir=cache, order="other")
+    parser = build_parser()
+    assert parser.parse_args([]).data_order == "megatron"
+    assert parser.parse_args(["--data-order", "mds"]).data_order == "mds"
