@@ -192,3 +192,17 @@ def test_orders_have_their_own_caches_and_the_flag(tmp_path):
     parser = build_parser()
     assert parser.parse_args([]).data_order == "megatron"
     assert parser.parse_args(["--data-order", "mds"]).data_order == "mds"
+
+
+def test_sample_counts_as_megatron_asks_them():
+    """train_val_test_num_samples: --train-samples when given (megatron order), evaluation every interval and
+    at the end, test once."""
+    from types import SimpleNamespace
+
+    from megatron_ds.training.data import num_samples
+
+    iters = SimpleNamespace(train_iters=100, train_samples=None, global_batch_size=8, eval_interval=30, eval_iters=2)
+    assert num_samples(iters) == (800, (100 // 30 + 1) * 2 * 8, 16)
+    samples = SimpleNamespace(**{**vars(iters), "train_samples": 805, "train_iters": 805 // 8})
+    assert num_samples(samples)[0] == 805
+    assert num_samples(SimpleNamespace(**{**vars(samples), "data_order": "mds"}))[0] == 800
