@@ -250,6 +250,11 @@ def load(engine, args: Namespace, state) -> bool:
              "starting at iteration 0")
         return True
     state.load_state_dict(saved_state)
+    # checkpoints written before --data-order existed were trained on mds's order
+    saved_order, order = metadata["args"].get("data_order", "mds"), getattr(args, "data_order", None)
+    if order is not None and saved_order != order:
+        _log(f"warning: the checkpoint was trained on --data-order {saved_order}'s samples, this run serves "
+             f"--data-order {order}'s; pass --data-order {saved_order} to continue on the same samples")
     _log(f"resuming from iteration {metadata['iteration']} ({metadata['consumed_train_samples']} samples) "
          f"of {directory}" + ("" if load_optim else " without optimizer state")
          + ("" if load_rng else " without RNG state"))

@@ -3,20 +3,22 @@
 A sample is ``seq_length + 1`` consecutive tokens of the shuffled document stream (inputs and
 shifted labels), running across document boundaries. Three index arrays describe a split:
 
-- doc_idx: the split's documents, one fresh permutation per epoch, for as many epochs as the
-  requested number of samples needs;
+- doc_idx: the split's documents for as many epochs as the requested number of samples needs;
 - sample_idx[i] = (position in doc_idx, token offset) of the first token of sample i; sample i
-  ends on the first token of sample i + 1 (so there are num_samples + 1 rows);
+  ends on the first token of sample i + 1;
 - shuffle_idx: the order in which samples are served.
 
-Megatron builds sample_idx with a compiled loop; here it is ``np.cumsum`` + ``np.searchsorted``,
-a billion-token corpus takes about a second. The arrays are saved under a name hashed from every
-input that affects them and memory-mapped on reuse. One process builds while the others wait
-(rank 0 then a barrier under torch.distributed, a file lock otherwise).
+Two orders (--data-order). ``megatron`` (default) builds Megatron-DeepSpeed's arrays, equal element for
+element (tests/data/test_megatron_order.py): all epochs' documents in one shuffle (the last epoch apart
+when short), sample_idx over every sample of those epochs, shuffle_idx from two shuffled ranges, all from
+one RandomState(seed); blends by its greedy rule. ``mds`` is the order mds used before: a fresh
+permutation per epoch, exactly num_samples samples, blending by due times (sample k of dataset d due at
+step (k + 1/2)/w_d, one stable argsort).
 
-Weighted lists (``0.3 a 0.7 b``) blend per split: step by step, the next sample comes from the
-dataset whose share is most behind its weight (sample k of dataset d is due at step (k + 1/2)/w_d;
-one stable argsort of those due times orders them all).
+Megatron builds sample_idx with a compiled loop; here it is ``np.cumsum`` + ``np.searchsorted``,
+a billion-token corpus takes about half a second. The arrays are saved under a name hashed from every
+input that affects them (the order too) and memory-mapped on reuse. One process builds while the others
+wait (rank 0 then a barrier under torch.distributed, a file lock otherwise).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megatron_ds.data.indexed import IndexedDataset, index_path
 
 SPLIT_NAMES = ("train", "valid", "test")
 INDEX_FORMAT = 1  # bump when the arrays' meaning changes, so old caches are not reused
+DATA_ORDERS = ("megatron", "mds")  # --data-order; the cache names and descriptions carry it
 
 
 class DataConfigError(ValueError):
@@ -57,7 +60,9 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
         if not math.isfinite(w) or w < 0:
             raise DataConfigError(f"--data-path: weight {weight} of {prefix} must be >= 0")
         pairs.append((w, prefix))
-    total = sum(w for w, _ in pairs)
+    total = 0.0
+    for w, _ in pairs:  # summed in order, as Megatron does (sum() compensates rounding since Python 3.12)
+        total += w
     if total <= 0:
         raise DataConfigError(f"--data-path: weights sum to {total}, need a positive sum")
     return [(w / total, p) for w, p in pairs]
@@ -76,17 +81,41 @@ def parse_split(split: str) -> list[float]:
     return [v / sum(values) for v in values]
 
 
-def split_bounds(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """Document ranges [start, end) of train, valid and test (boundaries rounded, the last one exact)."""
-    cum = np.cumsum([0.0] + parse_split(split))
-    edges = [int(round(c * num_documents)) for c in cum]
-    edges[-1] = num_documents
+def split_bounds(split: str, num_documents: int, order: str = "megatron") -> list[tuple[int, int]]:
+    """Document ranges [start, end) of train, valid and test.
+
+    megatron: each part's share rounded on its own, the rounding excess taken off every boundary after the
+    first (Megatron's get_train_valid_test_split_); mds: the cumulative boundaries rounded, the last one exact.
+    """
+    fractions = parse_split(split)
+    if order == "megatron":
+        edges = [0]
+        for f in fractions:
+            edges.append(edges[-1] + int(round(f * float(num_documents))))
+        excess = edges[-1] - num_documents
+        edges = [0] + [e - excess for e in edges[1:]]
+    else:
+        cum = np.cumsum([0.0] + fractions)
+        edges = [int(round(c * num_documents)) for c in cum]
+        edges[-1] = num_documents
     return [(edges[i], edges[i + 1]) for i in range(3)]
+
+
+def _sample_starts(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, count: int) -> np.ndarray:
+    """sample_idx rows 0..count: (position in doc_idx, offset) of token k * seq_length of the doc_idx stream.
+
+    The row names the document holding that token, so empty documents are skipped (searchsorted, side right).
+    """
+    starts = np.zeros(len(doc_idx) + 1, np.int64)  # token position where each doc_idx entry starts
+    np.cumsum(sizes[doc_idx], dtype=np.int64, out=starts[1:])
+    positions = np.arange(count + 1, dtype=np.int64) * seq_length
+    entry = np.searchsorted(starts, positions, side="right") - 1
+    return np.stack([entry, positions - starts[entry]], axis=1)
 
 
 def build_sample_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
                          seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(doc_idx, sample_idx, shuffle_idx) for ``num_samples`` samples over ``documents``; vectorised."""
+    """--data-order mds: (doc_idx, sample_idx, shuffle_idx), one fresh permutation per epoch; vectorised."""
     doc_sizes = sizes[documents].astype(np.int64)
     tokens_per_epoch = int(doc_sizes.sum())
     if tokens_per_epoch <= 0:
@@ -97,12 +126,60 @@ def build_sample_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: i
     doc_idx = np.concatenate([documents[rng.permutation(len(documents))] for _ in range(num_epochs)])
     index_dtype = np.int32 if len(doc_idx) < 2**31 else np.int64
     doc_idx = doc_idx.astype(index_dtype)
-    starts = np.zeros(len(doc_idx) + 1, np.int64)  # token position where each doc_idx entry starts
-    np.cumsum(sizes[doc_idx], dtype=np.int64, out=starts[1:])
-    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    entry = np.searchsorted(starts, positions, side="right") - 1  # skips empty documents
-    sample_idx = np.stack([entry, positions - starts[entry]], axis=1)
+    sample_idx = _sample_starts(sizes, doc_idx, seq_length, num_samples)
     shuffle_idx = rng.permutation(num_samples).astype(np.int64)
+    return doc_idx, sample_idx, shuffle_idx
+
+
+def megatron_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> tuple[int, bool]:
+    """(epochs, separate_last_epoch) as Megatron-DeepSpeed's _build_index_mappings decides them.
+
+    Epochs: the fewest whole passes holding num_samples samples (the last label token included). The last
+    epoch is shuffled on its own when it would contribute fewer than 80% of an epoch's samples.
+    """
+    num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+    if num_epochs == 1:
+        return 1, False
+    from_earlier = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return num_epochs, (num_samples - from_earlier) < int(0.80 * per_epoch)
+
+
+def build_megatron_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
+                           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """--data-order megatron: Megatron-DeepSpeed's (doc_idx, sample_idx, shuffle_idx), equal element for element.
+
+    One RandomState(seed) drawn in Megatron's order: doc_idx = all epochs' documents in one shuffle (or, with
+    a separate last epoch, the first epochs' shuffle followed by the last epoch's); sample_idx covers every
+    sample of those epochs, (E * tokens - 1) // seq_length of them, its first row (0, 0); shuffle_idx
+    = a shuffled range of the first epochs' samples then a shuffled range of the rest (one range when the
+    last epoch is not separate). Samples 0..num_samples-1 are served; sample_idx is vectorised here where
+    Megatron compiles a loop (helpers.cpp build_sample_idx).
+    """
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    if tokens_per_epoch <= 0:
+        raise DataConfigError("--data-path: the split's documents hold no tokens")
+    num_epochs, separate_last = megatron_epochs(tokens_per_epoch, seq_length, num_samples)
+    rng = np.random.RandomState(seed % 2**32)
+    documents = np.asarray(documents).astype(np.int32 if len(sizes) < 2**31 else np.int64)
+
+    def shuffled_epochs(count):
+        doc_idx = np.tile(documents, count)
+        rng.shuffle(doc_idx)
+        return doc_idx
+
+    if separate_last:
+        doc_idx = np.concatenate([shuffled_epochs(num_epochs - 1), shuffled_epochs(1)])
+    else:
+        doc_idx = shuffled_epochs(num_epochs)
+    total = (num_epochs * tokens_per_epoch - 1) // seq_length
+    sample_idx = _sample_starts(sizes, doc_idx, seq_length, total)
+    sample_idx[0] = 0  # Megatron starts at (0, 0) even when the first document is empty
+    first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate_last else total
+    shuffle_idx = np.arange(total, dtype=np.int64)
+    rng.shuffle(shuffle_idx[:first])
+    if first < total:
+        rng.shuffle(shuffle_idx[first:])
     return doc_idx, sample_idx, shuffle_idx
 
 
@@ -178,7 +255,8 @@ class GPTDataset:
     """Samples of ``seq_length + 1`` tokens over documents [start, end) of one indexed dataset."""
 
     def __init__(self, indexed: IndexedDataset, name: str, documents: tuple[int, int], split: str,
-                 seq_length: int, seed: int, num_samples: int, cache_dir: str | None = None):
+                 seq_length: int, seed: int, num_samples: int, cache_dir: str | None = None,
+                 order: str = "megatron"):
         self.indexed, self.name, self.seq_length, self.num_samples = indexed, name, seq_length, num_samples
         start, end = documents
         stat = os.stat(index_path(indexed.prefix))
@@ -186,14 +264,16 @@ class GPTDataset:
             "class": "GPTDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
             "idx_bytes": stat.st_size, "idx_mtime_ns": stat.st_mtime_ns, "split": split, "split_name": name,
             "documents": [start, end], "seq_length": seq_length, "seed": seed, "num_samples": num_samples,
+            "order": order,
         }
-        stem = f"{os.path.basename(indexed.prefix)}_{name}"
+        stem = f"{os.path.basename(indexed.prefix)}_{name}_{order}"
         self.cache = _IndexCache(cache_dir or _default_cache_dir(indexed.prefix), stem, description,
                                  ("doc_idx", "sample_idx", "shuffle_idx"))
 
         def build():
             indexed.validate()
-            doc_idx, sample_idx, shuffle_idx = build_sample_indices(
+            build_indices = build_megatron_indices if order == "megatron" else build_sample_indices
+            doc_idx, sample_idx, shuffle_idx = build_indices(
                 indexed.sizes, np.arange(start, end, dtype=np.int64), seq_length, num_samples, seed)
             return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
@@ -209,8 +289,9 @@ class GPTDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> np.ndarray:
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"sample {i} out of range ({self.num_samples} {self.name} samples)")
+        # Megatron's order indexes every sample of its whole epochs (a blend may read a few past num_samples)
+        if not 0 <= i < len(self.shuffle_idx):
+            raise IndexError(f"sample {i} out of range ({len(self.shuffle_idx)} {self.name} samples)")
         j = int(self.shuffle_idx[i])
         (first, offset), (last, last_offset) = self.sample_idx[j], self.sample_idx[j + 1]
         first, offset, last, last_offset = int(first), int(offset), int(last), int(last_offset)
@@ -241,21 +322,64 @@ def blend_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     return dataset_index, dataset_sample_index.astype(np.int64)
 
 
+def megatron_blend_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """--data-order megatron: Megatron's build_blending_indices (helpers.cpp), equal element for element.
+
+    Step by step, with s = max(step, 1), the dataset with the largest w_d * s - count_d serves (the first on
+    ties); weights normalised as Megatron's BlendableDataset does. Which dataset leads changes from step to
+    step, so this is a loop over the samples (the one loop of the index build; about a second per million
+    samples for a few datasets, numpy's argmax per step beyond 8), run once and cached.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / np.sum(w)
+    n = len(w)
+    picks = []
+    append = picks.append
+    if n <= 8:
+        wl, counts = w.tolist(), [0] * n  # samples taken from each dataset so far
+        for t in range(size):
+            s = float(t) if t > 1 else 1.0
+            best, best_error = 0, wl[0] * s - counts[0]
+            for d in range(1, n):
+                e = wl[d] * s - counts[d]
+                if e > best_error:
+                    best, best_error = d, e
+            append(best)
+            counts[best] += 1
+    else:
+        counts_array, error = np.zeros(n, np.float64), np.empty(n, np.float64)
+        for t in range(size):
+            np.multiply(w, float(t) if t > 1 else 1.0, out=error)
+            error -= counts_array  # exact: counts are small integers, the products within one of them
+            best = int(error.argmax())  # the first maximum, as the C++ loop's strict >
+            append(best)
+            counts_array[best] += 1
+    dataset_index = np.array(picks, dtype=np.int16).reshape(size)
+    return dataset_index, _sample_numbers(dataset_index)
+
+
 class BlendedDataset:
     """Samples drawn from several GPTDatasets by weight (deterministic, no randomness involved)."""
 
     def __init__(self, datasets: list[GPTDataset | None], weights: list[float], size: int, cache_dir: str,
-                 description: dict, dataset_index: np.ndarray | None = None):
+                 description: dict, dataset_index: np.ndarray | None = None, order: str = "megatron"):
         self.datasets, self.weights, self.size = datasets, weights, size
-        self.cache = _IndexCache(cache_dir, f"blend_{description['split_name']}", description,
+        self.cache = _IndexCache(cache_dir, f"blend_{description['split_name']}_{order}", description,
                                  ("dataset_index", "dataset_sample_index"))
 
         def build():
-            index, sample = blend_indices(weights, size)
+            if dataset_index is not None:
+                return {"dataset_index": dataset_index, "dataset_sample_index": _sample_numbers(dataset_index)}
+            index, sample = (megatron_blend_indices if order == "megatron" else blend_indices)(weights, size)
             return {"dataset_index": index, "dataset_sample_index": sample}
 
         arrays = self.cache.get(build)
         self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
+        used = np.bincount(self.dataset_index, minlength=len(datasets))
+        for part, count in zip(datasets, used.tolist()):
+            if count and (part is None or count > len(part.shuffle_idx)):
+                raise DataConfigError(f"--data-path: the {description['split_name']} blend takes {count} samples of a "
+                                      f"dataset that has {len(part.shuffle_idx) if part else 0}")
 
     @property
     def built(self) -> bool:
@@ -270,12 +394,31 @@ class BlendedDataset:
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
 
+def _sample_numbers(dataset_index: np.ndarray) -> np.ndarray:
+    """Each dataset's samples in order: the k-th step naming dataset d serves its sample k."""
+    index = np.asarray(dataset_index, np.int64)
+    counts = np.bincount(index) if len(index) else np.zeros(0, np.int64)
+    order = np.argsort(index, kind="stable")
+    numbers = np.empty(len(index), np.int64)
+    numbers[order] = np.arange(len(index), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return numbers
+
+
 def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
-                       num_samples: tuple[int, int, int], cache_dir: str | None = None):
-    """(train, valid, test) datasets; None where a split has no documents or no samples are asked."""
+                       num_samples: tuple[int, int, int], cache_dir: str | None = None, order: str = "megatron"):
+    """(train, valid, test) datasets; None where a split has no documents or no samples are asked.
+
+    order (--data-order): "megatron" serves Megatron-DeepSpeed's samples in its order (its split boundaries,
+    doc_idx / sample_idx / shuffle_idx, blending, and 1.005 x weight x samples asked of each blended
+    dataset); "mds" the order of mds before it (kept so runs and caches made with it continue unchanged).
+    """
+    if order not in DATA_ORDERS:
+        raise DataConfigError(f"--data-order: {order!r} is not one of {', '.join(DATA_ORDERS)}")
     if seq_length < 1:
         raise DataConfigError(f"--seq-length: must be at least 1, got {seq_length}")
     pairs = parse_data_path(data_path)
+    # Megatron blends a weighted list even of one dataset ("1.0 a": 0.5% more samples asked of it)
+    weighted = len(data_path.split() if isinstance(data_path, str) else data_path) > 1
     parse_split(split)
     opened: dict[str, IndexedDataset] = {}
     for _, prefix in pairs:
@@ -290,30 +433,34 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
         if wanted <= 0:
             result.append(None)
             continue
-        if len(pairs) == 1:
+        if len(pairs) == 1 and not (order == "megatron" and weighted):
             ds = opened[pairs[0][1]]
-            start, end = split_bounds(split, len(ds))[s]  # a "document" here is one stored sequence
-            result.append(GPTDataset(ds, name, (start, end), split, seq_length, seed, wanted, cache_dir)
+            start, end = split_bounds(split, len(ds), order)[s]  # a "document" here is one stored sequence
+            result.append(GPTDataset(ds, name, (start, end), split, seq_length, seed, wanted, cache_dir, order)
                           if end > start else None)
             continue
-        bounds = [split_bounds(split, len(opened[prefix]))[s] for _, prefix in pairs]
+        bounds = [split_bounds(split, len(opened[prefix]), order)[s] for _, prefix in pairs]
         if all(end <= start for start, end in bounds):
             result.append(None)  # the split is empty everywhere, as for a single dataset
             continue
         weights = [w for w, _ in pairs]
-        index, _ = blend_indices(weights, wanted)
-        counts = np.bincount(index, minlength=len(pairs))
+        if order == "megatron":  # each dataset asked for 0.5% more than its share; the blend is built (and cached) below
+            index, counts = None, [int(math.ceil(wanted * w * 1.005)) for w in weights]
+        else:
+            index = blend_indices(weights, wanted)[0]
+            counts = np.bincount(index, minlength=len(pairs))
         parts, descriptions = [], []
         for (w, prefix), count, (start, end) in zip(pairs, counts, bounds):
             ds = opened[prefix]
             if count and end <= start:
                 raise DataConfigError(f"--split: {split} leaves {prefix} no {name} documents, but --data-path gives "
                                       f"it weight {w:.3g}")
-            part = GPTDataset(ds, name, (start, end), split, seq_length, seed, int(count), cache_dir) if count else None
+            part = (GPTDataset(ds, name, (start, end), split, seq_length, seed, int(count), cache_dir, order)
+                    if count else None)
             parts.append(part)
             descriptions.append(part.cache.digest if part else None)
         description = {"class": "BlendedDataset", "format": INDEX_FORMAT, "split_name": name, "weights": weights,
-                       "size": wanted, "parts": descriptions}
+                       "size": wanted, "parts": descriptions, "order": order}
         blend_dir = cache_dir or _default_cache_dir(pairs[0][1])
-        result.append(BlendedDataset(parts, weights, wanted, blend_dir, description))
+        result.append(BlendedDataset(parts, weights, wanted, blend_dir, description, index, order))
     return tuple(result)

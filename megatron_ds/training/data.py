@@ -17,8 +17,14 @@ import torch
 
 
 def num_samples(args) -> tuple[int, int, int]:
-    """Megatron's (train, valid, test) sample counts: evaluation runs every eval-interval and at the end."""
+    """Megatron's (train, valid, test) sample counts: evaluation runs every eval-interval and at the end.
+
+    Training asks --train-samples when given (Megatron's train_val_test_num_samples), else iterations x
+    global batch; --data-order mds keeps its earlier count (whole batches) so its runs resume on their samples.
+    """
     train = args.train_iters * args.global_batch_size
+    if getattr(args, "train_samples", None) and getattr(args, "data_order", "megatron") == "megatron":
+        train = args.train_samples
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
     return train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size
 
@@ -28,7 +34,7 @@ def build_datasets(args):
     from megatron_ds.data.gpt_dataset import build_gpt_datasets
 
     return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples(args),
-                              cache_dir=args.data_cache_path)
+                              cache_dir=args.data_cache_path, order=getattr(args, "data_order", "megatron"))
 
 
 class MicroBatches:

@@ -83,6 +83,18 @@ def test_resume_from_iteration_5_is_bitwise_exact(name, reference, demo_corpus, 
         assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000010"
 
 
+def test_resume_in_another_data_order_says_so(reference, demo_corpus, tmp_path):
+    """A checkpoint records its --data-order; resuming in the other one warns and names the flag that continues
+    on the checkpoint's samples (checkpoints older than the flag count as --data-order mds)."""
+    ref = reference("single")
+    assert json.loads((ref / "ckpt" / "iter_0000005" / "mds_checkpoint.json").read_text())["args"]["data_order"] \
+        == "megatron"
+    copy_checkpoint(ref / "ckpt", "iter_0000005", tmp_path / "ckpt")
+    result = run(train_argv(demo_corpus, 1, ["--load", "ckpt", "--data-order", "mds", "--exit-interval", "6"]), tmp_path)
+    assert ("the checkpoint was trained on --data-order megatron's samples, this run serves --data-order mds's; "
+            "pass --data-order megatron to continue on the same samples") in result.stderr
+
+
 def _rank_pids(supervisor: subprocess.Popen, ranks: int, timeout: float = 120) -> dict[int, int]:
     """{rank: pid} of the ranks `entrypoint train --nproc-per-node` spawned."""
     found: dict[int, int] = {}

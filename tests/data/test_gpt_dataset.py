@@ -32,20 +32,24 @@ def unshuffled(ds):
     return [ds[int(i)] for i in order]
 
 
+@pytest.mark.parametrize("order", ["megatron", "mds"])
 @pytest.mark.parametrize("num_samples", [20, 170])  # less than one epoch, and several epochs
-def test_every_token_of_the_split_in_order(tmp_path, num_samples):
+def test_every_token_of_the_split_in_order(tmp_path, num_samples, order):
     prefix, sizes = numbered_corpus(tmp_path / "c")
     train, valid, test = build_gpt_datasets([prefix], "80,15,5", SEQ, 1234, (num_samples, 7, 0),
-                                            cache_dir=str(tmp_path / "cache"))
+                                            cache_dir=str(tmp_path / "cache"), order=order)
     assert test is None and len(train) == num_samples and len(valid) == 7
     starts = np.concatenate(([0], np.cumsum(sizes)))
-    lo, hi = split_bounds("80,15,5", len(sizes))[0]
+    lo, hi = split_bounds("80,15,5", len(sizes), order)[0]
     assert (lo, hi) == (0, 48)
     doc_idx = np.asarray(train.doc_idx)
     epochs = len(doc_idx) // (hi - lo)
     assert len(doc_idx) == epochs * (hi - lo) and (epochs > 1) == (num_samples == 170)
-    for e in range(epochs):  # each epoch is a permutation of the split's documents
-        assert sorted(doc_idx[e * (hi - lo):(e + 1) * (hi - lo)].tolist()) == list(range(lo, hi))
+    if order == "mds":  # each epoch is a permutation of the split's documents
+        for e in range(epochs):
+            assert sorted(doc_idx[e * (hi - lo):(e + 1) * (hi - lo)].tolist()) == list(range(lo, hi))
+    else:  # Megatron shuffles the epochs together (the last one apart when it is short): each document E times
+        assert np.bincount(doc_idx, minlength=hi).tolist() == [0] * lo + [epochs] * (hi - lo)
     stream = np.concatenate([np.arange(starts[d], starts[d + 1]) for d in doc_idx])
     samples = unshuffled(train)
     for j, sample in enumerate(samples):
@@ -53,9 +57,11 @@ def test_every_token_of_the_split_in_order(tmp_path, num_samples):
         assert np.array_equal(sample, stream[j * SEQ: j * SEQ + SEQ + 1])
     # nothing outside the split's token range is ever read, in train or valid
     assert all(starts[lo] <= s.min() and s.max() < starts[hi] for s in samples)
-    vlo, vhi = split_bounds("80,15,5", len(sizes))[1]
+    vlo, vhi = split_bounds("80,15,5", len(sizes), order)[1]
     assert all(starts[vlo] <= valid[i].min() and valid[i].max() < starts[vhi] for i in range(len(valid)))
-    assert sorted(np.asarray(train.shuffle_idx).tolist()) == list(range(num_samples))
+    # mds: exactly the samples asked for; Megatron: every sample of the whole epochs, the first ones served
+    available = num_samples if order == "mds" else (epochs * int(sizes[lo:hi].sum()) - 1) // SEQ
+    assert sorted(np.asarray(train.shuffle_idx).tolist()) == list(range(available))
 
 
 def test_seed_changes_order_and_is_reproducible(tmp_path):
@@ -168,3 +174,35 @@ def test_two_processes_only_one_builds(tmp_path, mode):
         assert outs[0][0].startswith("BUILT")  # rank 0 is the builder
         assert "FAILED: --data-path: the split's documents hold no tokens" in outs[0][0]
         assert "FAILED: rank 0 could not build the sample index" in outs[1][0] and "hold no tokens" in outs[1][0]
+
+
+def test_orders_have_their_own_caches_and_the_flag(tmp_path):
+    """--data-order mds keeps the earlier order; each order caches under its own names, never the other's."""
+    from megatron_ds.training.arguments.flags import build_parser
+
+    prefix, _ = numbered_corpus(tmp_path / "c")
+    cache = str(tmp_path / "cache")
+    megatron = build_gpt_datasets([prefix], "1", SEQ, 7, (50, 0, 0), cache_dir=cache)[0]
+    mds = build_gpt_datasets([prefix], "1", SEQ, 7, (50, 0, 0), cache_dir=cache, order="mds")[0]
+    assert megatron.built and mds.built
+    assert "_megatron_" in os.path.basename(megatron.cache.base) and "_mds_" in os.path.basename(mds.cache.base)
+    assert not all(np.array_equal(megatron[i], mds[i]) for i in range(50))
+    with pytest.raises(DataConfigError, match="--data-order: 'other'"):
+        build_gpt_datasets([prefix], "1", SEQ, 7, (50, 0, 0), cache_dir=cache, order="other")
+    parser = build_parser()
+    assert parser.parse_args([]).data_order == "megatron"
+    assert parser.parse_args(["--data-order", "mds"]).data_order == "mds"
+
+
+def test_sample_counts_as_megatron_asks_them():
+    """train_val_test_num_samples: --train-samples when given (megatron order), evaluation every interval and
+    at the end, test once."""
+    from types import SimpleNamespace
+
+    from megatron_ds.training.data import num_samples
+
+    iters = SimpleNamespace(train_iters=100, train_samples=None, global_batch_size=8, eval_interval=30, eval_iters=2)
+    assert num_samples(iters) == (800, (100 // 30 + 1) * 2 * 8, 16)
+    samples = SimpleNamespace(**{**vars(iters), "train_samples": 805, "train_iters": 805 // 8})
+    assert num_samples(samples)[0] == 805
+    assert num_samples(SimpleNamespace(**{**vars(samples), "data_order": "mds"}))[0] == 800

@@ -285,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", help="prefix, or weighted list: 0.3 a 0.7 b")
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", help="where sample indices are cached (default: next to the data)")
+    g.add_argument("--data-order", choices=("megatron", "mds"), default="megatron",
+                   help="megatron (default): Megatron-DeepSpeed's samples in its order (split, shuffles, blending); "
+                        "mds: the order mds used before (a fresh permutation per epoch, its own blending), for runs begun "
+                        "with it that must resume on the same samples (each order has its own index cache)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer",
                    help="default GPT2BPETokenizer, as pretrain_gpt.py")
     g.add_argument("--vocab-file")
