@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
               f"{args.data_parallel_size}, ZeRO-{args.zero_stage or 0}, micro batch {args.micro_batch_size} x "
               f"{args.gradient_accumulation_steps} accumulation steps\n"
               f"  estimated GPU memory: {fit.describe()} (torch's allocator peak; the CUDA context and NCCL "
-              "add 1-3 GiB)\nnothing started (--dry-run)")
+              f"add 1-3 GiB{'; an upper bound: ' + why if (why := memory_estimate.unestimated(args)) else ''})\n"
+              "nothing started (--dry-run)")
         return 0
     from megatron_ds.runtime.bootstrap import become_rank
 
