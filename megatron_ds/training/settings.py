@@ -4,12 +4,15 @@
 then copies each validated value into one section. Every field keeps its flag's name (`--lr-decay-style` is
 `optimizer.lr_decay_style`); lists become tuples. Nothing changes a section after it is built: a variant (a
 checkpoint's layout, a resharding target) is a new one, `dataclasses.replace(section, field=value)`.
+
+The validated Namespace itself is frozen too (`freeze`, the last thing validate does): code that still takes
+`args` reads the same values the sections hold, and a variant of it is `replace_args(args, name=value)`.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import FrozenInstanceError, dataclass, fields
 from typing import Any
 
 # Validated attributes that no section holds, each with why.
@@ -225,3 +228,31 @@ def section_from(cls: type, args: argparse.Namespace) -> Any:
 def settings_from(args: argparse.Namespace) -> Settings:
     """The sections of validated `args` (validate calls it last)."""
     return Settings(**{name: section_from(cls, args) for name, cls in SECTIONS.items()})
+
+
+class FrozenNamespace(argparse.Namespace):
+    """Validated flags: reading works as on any Namespace, writing raises (settings are fixed at validation)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"args.{name}: the settings are fixed at validation; build a variant with "
+                                  f"replace_args(args, {name}=...) instead of changing them")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"args.{name}: the settings are fixed at validation; it cannot be deleted")
+
+
+def freeze(args: argparse.Namespace) -> FrozenNamespace:
+    """Make validated `args` read-only, in place (every holder of it sees the frozen one)."""
+    if not isinstance(args, FrozenNamespace):
+        object.__setattr__(args, "__class__", FrozenNamespace)
+    return args
+
+
+def replace_args(args: argparse.Namespace, **changes: Any) -> FrozenNamespace:
+    """A new frozen Namespace: `args` with `changes` (not validated again: the caller vouches for them)."""
+    unknown = set(changes) - set(vars(args))
+    if unknown:
+        raise AttributeError(f"replace_args: no such setting(s): {sorted(unknown)}")
+    new = argparse.Namespace.__new__(FrozenNamespace)
+    new.__dict__.update({**vars(args), **changes})
+    return new

@@ -65,3 +65,28 @@ def test_settings_are_frozen(files):
     assert isinstance(settings.data.data_path, tuple)
     variant = dataclasses.replace(settings.layout, tensor_model_parallel_size=2)  # a variant is a new section
     assert variant.tensor_model_parallel_size == 2 and settings.layout.tensor_model_parallel_size == 1
+
+
+def test_validated_args_are_frozen(files):
+    import copy
+    import pickle
+
+    from megatron_ds.training.settings import FrozenNamespace, replace_args
+
+    args = parse_args(argv(files, "--micro-batch-size", "2"), env={})
+    args.lr = 2e-3  # before validation the flags may still be filled
+    validate(args, 1)
+    assert isinstance(args, FrozenNamespace) and args.lr == 2e-3
+    with pytest.raises(dataclasses.FrozenInstanceError, match="args.lr: the settings are fixed at validation"):
+        args.lr = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(args, "new_name", 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del args.lr
+    variant = replace_args(args, tensor_model_parallel_size=2)  # a variant is a new Namespace
+    assert variant.tensor_model_parallel_size == 2 and args.tensor_model_parallel_size == 1
+    assert isinstance(variant, FrozenNamespace) and vars(variant).keys() == vars(args).keys()
+    with pytest.raises(AttributeError, match="no such setting"):
+        replace_args(args, not_a_flag=1)
+    for twin in (copy.copy(args), copy.deepcopy(args), pickle.loads(pickle.dumps(args))):
+        assert vars(twin) == vars(args) and isinstance(twin, FrozenNamespace)

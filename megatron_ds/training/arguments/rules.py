@@ -16,7 +16,7 @@ from megatron_ds.env_settings import INDUCTOR_OPTIONS, SettingError
 from megatron_ds.training.arguments import rules_fp8
 from megatron_ds.training.arguments.flags import ConfigError
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
-from megatron_ds.training.settings import Settings, settings_from
+from megatron_ds.training.settings import Settings, freeze, settings_from
 
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
 POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval", "--recompute-num-layers")
@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # the model and parallel packages import torch: only the rule
 
 
 def validate(args: argparse.Namespace, world_size: int) -> Settings:
-    """Check every rule (each with its own message), fill derived values on `args`, return the typed settings.
+    """Check every rule (each with its own message), fill derived values on `args`, freeze it (any later write
+    raises: training/settings.py) and return the typed settings.
 
     Sets: world_size, data_parallel_size, global_batch_size (when not given), gradient_accumulation_steps,
     ds_config_file (parsed dict or None), and what the DeepSpeed config file fills (sources.py).
@@ -55,7 +56,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     _environment(args)
     _hangs_and_restarts(args)
     args.world_size, args.data_parallel_size = world_size, dims.dp
-    return settings_from(args)
+    return settings_from(freeze(args))
 
 
 def _dest(flag: str) -> str:
