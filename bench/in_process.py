@@ -3,7 +3,8 @@ GPT-2-vocabulary corpus: what the profiles and probes in bench/ look inside. Wor
 torchrun each rank builds its part (tensor parallelism: the ranks then step together on the same batches).
 
 ``before_validate`` and ``after_validate`` let a probe change one thing the flags cannot say (a variant), on
-either side of validation, which would refuse or fill some of them.
+either side of validation, which would refuse or fill some of them: the first changes the parsed flags, the second
+returns the changes ({name: value}) for a variant of the validated (frozen) ones.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     from megatron_ds.runtime import profiles
     from megatron_ds.training.arguments import parse_args, validate
     from megatron_ds.training.build import build_run
+    from megatron_ds.training.settings import replace_args
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port))):
@@ -39,7 +41,7 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
         before_validate(args)
     validate(args, world)
     if after_validate is not None:
-        after_validate(args)
+        args = replace_args(args, **after_validate(args))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     run = build_run(args, device=torch.device(device), backend="nccl" if device == "cuda" else "gloo", data=False)

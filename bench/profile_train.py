@@ -134,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             train_args.bf16 = False
         train_args.torch_compile = "compile" in variants  # the variant decides, not the CUDA default
 
-    def after_validate(train_args) -> None:
+    def after_validate(train_args) -> dict:
         if "igu" in variants:  # after validate, which reads --deepspeed_config into ds_config_file
-            train_args.ds_config_file = {**(train_args.ds_config_file or {}), "bf16": {"immediate_grad_update": True}}
+            return {"ds_config_file": {**(train_args.ds_config_file or {}), "bf16": {"immediate_grad_update": True}}}
+        return {}
 
     train_args, built = build(flags, before_validate=before_validate, after_validate=after_validate)
     if train_args.pipeline_model_parallel_size > 1:

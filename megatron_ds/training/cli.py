@@ -33,18 +33,19 @@ def main(argv: list[str]) -> int:
             plan = launch_plan(args)
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
-        validate(args, plan.ranks()[0].world_size)
+        settings = validate(args, plan.ranks()[0].world_size)
         if os.environ.get("RANK") is None or args.dry_run:  # the launcher (or a lone rank): before any GPU work
             fit = memory_estimate.check_fits(args, memory_estimate.gpu_memory_gib())
     except ConfigError as err:
         return _error(str(err))
-    if args.dry_run:
+    layout, runtime = settings.layout, settings.runtime
+    if runtime.dry_run:
         from megatron_ds.runtime.bootstrap import describe
 
         print(f"entrypoint train --dry-run: {describe(plan)}\n"
-              f"  layout TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x DP "
-              f"{args.data_parallel_size}, ZeRO-{args.zero_stage or 0}, micro batch {args.micro_batch_size} x "
-              f"{args.gradient_accumulation_steps} accumulation steps\n"
+              f"  layout TP {layout.tensor_model_parallel_size} x PP {layout.pipeline_model_parallel_size} x DP "
+              f"{layout.data_parallel_size}, ZeRO-{settings.optimizer.zero_stage or 0}, micro batch "
+              f"{layout.micro_batch_size} x {layout.gradient_accumulation_steps} accumulation steps\n"
               f"  estimated GPU memory: {fit.describe()} (torch's allocator peak; the CUDA context and NCCL "
               f"add 1-3 GiB{'; an upper bound: ' + why if (why := memory_estimate.unestimated(args)) else ''})\n"
               "nothing started (--dry-run)")
@@ -52,9 +53,9 @@ def main(argv: list[str]) -> int:
     from megatron_ds.runtime.bootstrap import become_rank
 
     # With --exit-signal-handler a TERM means "finish the step and save": give the ranks time for it.
-    signal_grace = SIGNAL_GRACE.get() if args.exit_signal_handler else None
-    code = become_rank(["train", *argv], nproc_per_node=args.nproc_per_node, profile=args.profile, plan=plan,
-                       signal_grace=signal_grace, max_restarts=args.max_restarts)
+    signal_grace = SIGNAL_GRACE.get() if runtime.exit_signal_handler else None
+    code = become_rank(["train", *argv], nproc_per_node=layout.nproc_per_node, profile=runtime.profile, plan=plan,
+                       signal_grace=signal_grace, max_restarts=runtime.max_restarts)
     if code is not None:
         return code  # we supervised the local ranks; theirs is the exit code
     import faulthandler

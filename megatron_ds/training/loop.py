@@ -25,6 +25,7 @@ from megatron_ds.runtime.stragglers import OwnWork, RankTimes, gather, slowdown_
 from megatron_ds.runtime.watchdog import Timeouts
 from megatron_ds.training.data import MicroBatches
 from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops, wandb_settings
+from megatron_ds.training.settings import DataSettings, RuntimeSettings, settings_from
 from megatron_ds.training.state import TrainState
 
 
@@ -136,9 +137,9 @@ class StopConditions:
         self.agree_each_step = handle_signals or exit_duration_mins is not None
 
     @classmethod
-    def from_args(cls, args) -> StopConditions:
-        return cls(train_iters=args.train_iters, exit_interval=args.exit_interval,
-                   handle_signals=args.exit_signal_handler, exit_duration_mins=args.exit_duration_in_mins)
+    def from_settings(cls, data: DataSettings, runtime: RuntimeSettings) -> StopConditions:
+        return cls(train_iters=data.train_iters, exit_interval=runtime.exit_interval,
+                   handle_signals=runtime.exit_signal_handler, exit_duration_mins=runtime.exit_duration_in_mins)
 
     def __enter__(self) -> StopConditions:
         self.agreement.install()
@@ -175,17 +176,21 @@ def _log_compile_time(device: torch.device, step_start: float) -> None:
 
 
 class Trainer:
-    """One training run. `run()` returns the process exit code."""
+    """One training run. `run()` returns the process exit code.
+
+    `settings` (training/settings.py) is what the loop reads; `args`, the validated flags, goes to the builder
+    and the checkpointer (which stores them)."""
 
     def __init__(self, args, progress: Progress | None = None):
         self.args = args
+        self.settings = settings_from(args)
         self.progress = progress or Progress.null()  # what the hang watchdog sees (runtime/progress.py)
 
     def setup(self) -> None:
         from megatron_ds.training.build import build_run, pick_device
         from megatron_ds.training.engine import unpatched_step_notice
 
-        args = self.args
+        args, layout, model, runtime = self.args, self.settings.layout, self.settings.model, self.settings.runtime
         self.device = pick_device()
         run = build_run(args, device=self.device)  # process groups, model, engine, data, checkpointer
         self.parallel, self.tokenizer, self.padded_vocab, self.precision = (run.parallel, run.tokenizer,
@@ -197,37 +202,40 @@ class Trainer:
         self.backward_scale = built.backward_scale
         s = self.parallel
         ulysses = f" x SP {s.sp_size} (Ulysses)" if s.sp_size > 1 else ""
-        overlap = f" (TP comm overlap: {args.tp_comm_overlap})" if args.tp_comm_overlap else ""
-        _log(f"mds train: world {args.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
-             f"ZeRO-{args.zero_stage}, {self.precision.describe()}, "
+        overlap = f" (TP comm overlap: {runtime.tp_comm_overlap})" if runtime.tp_comm_overlap else ""
+        _log(f"mds train: world {layout.world_size} = TP {s.tp_size} x PP {s.pp_size} x DP {s.dp_size}{ulysses}, "
+             f"ZeRO-{self.settings.optimizer.zero_stage}, {self.precision.describe()}, "
              f"{self._engine_kind()}, attention {built.attention_backend}, "
-             f"torch.compile {'on' if args.torch_compile else 'off'}{overlap}, device {self.device.type}; "
+             f"torch.compile {'on' if runtime.torch_compile else 'off'}{overlap}, device {self.device.type}; "
              f"model and engine built in {build_seconds:.1f} s (weights drawn on {built.weights_drawn_on})")
         _log(f"mds train: {self.config.num_layers} layers, hidden {self.config.hidden_size}, "
              f"{self.config.num_attention_heads} heads ({self.config.num_key_value_heads} kv), seq "
              f"{self.config.seq_length}, vocab {self.tokenizer.vocab_size} padded to {self.padded_vocab}, "
              f"{self.config.num_parameters() / 1e6:.2f}M parameters, {self.config.flops_per_token() / 1e9:.3f} "
-             f"GFLOP/token; global batch {args.global_batch_size} = micro {args.micro_batch_size} x DP {s.dp_size} "
-             f"x {args.gradient_accumulation_steps} accumulation steps")
+             f"GFLOP/token; global batch {layout.global_batch_size} = micro {layout.micro_batch_size} x DP "
+             f"{s.dp_size} x {layout.gradient_accumulation_steps} accumulation steps")
         notice = unpatched_step_notice(self.engine)
         if notice:
             _log(notice)
-        if args.attention_backend == "auto" and (args.use_flash_attn_v1 or args.use_flash_attn_triton):
+        if model.attention_backend == "auto" and (model.use_flash_attn_v1 or model.use_flash_attn_triton):
             _log(f"warning: flash-attn v1/triton requested; ran attention backend {built.attention_backend}")
 
         self.train_ds, self.valid_ds, self.test_ds = run.train_ds, run.valid_ds, run.test_ds
         if self.train_ds is None:
             raise RuntimeError("--split leaves no training data")
         self.metrics = MetricsLogger(
-            enabled=self.parallel.rank == 0, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
-            seq_length=args.seq_length, flops_per_token=self.config.flops_per_token(), world_size=args.world_size,
-            peak=peak_flops(args.peak_tflops), metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
-            log_interval=args.log_interval, straggler_factor=args.straggler_factor, rank=self.parallel.rank,
-            wandb=wandb_settings(args))
+            enabled=self.parallel.rank == 0, train_iters=self.settings.data.train_iters,
+            global_batch_size=layout.global_batch_size, seq_length=model.seq_length,
+            flops_per_token=self.config.flops_per_token(), world_size=layout.world_size,
+            peak=peak_flops(runtime.peak_tflops), metrics_file=runtime.metrics_file,
+            tensorboard_dir=runtime.tensorboard_dir, log_interval=runtime.log_interval,
+            straggler_factor=runtime.straggler_factor, rank=self.parallel.rank,
+            wandb=wandb_settings(args))  # W&B's run config: every flag, as stored
         # each rank's own work per step, gathered at log points to name a straggler (runtime/stragglers.py)
         self.own_work = OwnWork(self.device, slowdown=slowdown_for_tests(self.parallel.rank),
-                                enabled=args.world_size > 1 and not self.pipelined and args.straggler_factor > 0)
-        self.evaluator = Evaluator(self.evaluate, self.valid_ds, interval=args.eval_interval, iters=args.eval_iters,
+                                enabled=layout.world_size > 1 and not self.pipelined and runtime.straggler_factor > 0)
+        self.evaluator = Evaluator(self.evaluate, self.valid_ds, interval=runtime.eval_interval,
+                                   iters=runtime.eval_iters,
                                    metrics=self.metrics)
         self.checkpointer = run.checkpointer
 
@@ -244,7 +252,7 @@ class Trainer:
         return not self.pipelined or self.engine.is_first_stage() or self.engine.is_last_stage()
 
     def _batches(self, dataset, first_sample: int) -> MicroBatches:
-        a = self.args
+        a = self.settings.layout
         return MicroBatches(dataset, first_sample, micro_batch_size=a.micro_batch_size, dp_size=self.parallel.dp_size,
                             dp_rank=self.parallel.dp_rank, accumulation_steps=a.gradient_accumulation_steps,
                             device=self.device, sp_size=self.parallel.sp_size, sp_rank=self.parallel.sp_rank)
@@ -280,10 +288,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, dataset, first_sample: int) -> tuple[float, int]:
         """Mean loss over --eval-iters global batches starting at `first_sample`; returns (loss, samples)."""
-        args = self.args
+        iters, global_batch = self.settings.runtime.eval_iters, self.settings.layout.global_batch_size
         losses = []
-        for i in range(args.eval_iters):
-            batches = self._batches(dataset, first_sample + i * args.global_batch_size)
+        for i in range(iters):
+            batches = self._batches(dataset, first_sample + i * global_batch)
             if self.pipelined:
                 losses.append(float(self.engine.eval_batch(iter(batches) if self._needs_data() else None)))
             else:
@@ -293,7 +301,7 @@ class Trainer:
                     total += self.engine(tokens, labels).mean().float()
                 losses.append(float(self._dp_mean(total / len(batches))))
         self.engine.train()
-        return sum(losses) / max(1, len(losses)), args.eval_iters * args.global_batch_size
+        return sum(losses) / max(1, len(losses)), iters * global_batch
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -334,7 +342,7 @@ class Trainer:
         self.metrics.log_train(stats, skipped=skipped)
 
     def run(self) -> int:
-        args = self.args
+        settings = self.settings
         self.setup()
         st = TrainState()  # the loop's position; self.parallel is the TP/PP/DP layout
         self.checkpointer.load(st)
@@ -342,16 +350,16 @@ class Trainer:
         timer = IntervalTimer(self.device)
         reason, first_step = None, True
         try:
-            with StopConditions.from_args(args) as stop:
+            with StopConditions.from_settings(settings.data, settings.runtime) as stop:
                 timer.start()
                 while not stop.finished(st):
                     lr = self._lr()
                     step_start = time.perf_counter()
                     losses.add(self.train_step(st.consumed_train_samples))
-                    if first_step and args.torch_compile:
+                    if first_step and settings.runtime.torch_compile:
                         _log_compile_time(self.device, step_start)
                     first_step = False
-                    st.advance(args.global_batch_size)
+                    st.advance(settings.layout.global_batch_size)
                     self.progress.step(st.iteration)
                     if self.metrics.due(st.iteration) or stop.finished(st):
                         self._log_train(st, lr, losses, timer)
@@ -384,8 +392,9 @@ def train(args) -> int:
     """Train in this rank (the CLI has validated `args` and made this process a rank)."""
     from megatron_ds.parallel.state import destroy
 
+    runtime = settings_from(args).runtime
     progress = Progress.start(int(os.environ.get("RANK", "0")),
-                              Timeouts(args.watchdog_timeout, args.watchdog_slow_phase_timeout))
+                              Timeouts(runtime.watchdog_timeout, runtime.watchdog_slow_phase_timeout))
     trainer = Trainer(args, progress)
     try:
         return trainer.run()

@@ -12,6 +12,7 @@ with training.loop.train exactly as a rank of `entrypoint train` does. Only the 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -28,6 +29,7 @@ def main(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = parse_args(argv)
     validate(args, world)
+    args = argparse.Namespace(**vars(args))  # a variant of the validated (frozen) flags, checked again below
     args.fp8_format, args.fp8_format_flag = fp8_format, "--fp8-format"
     args.argv = [*args.argv, "--fp8-format", fp8_format]
     rules_fp8.fp8_flags(args)

@@ -10,6 +10,7 @@ import torch
 
 from megatron_ds.training.arguments import parse_args, validate
 from megatron_ds.training.out_of_memory import GIB, levers, message
+from megatron_ds.training.settings import replace_args
 
 TORCH_SAYS = "CUDA out of memory. Tried to allocate 1.54 GiB. GPU 0 has a total capacity of 79.18 GiB"
 
@@ -67,5 +68,5 @@ def test_the_even_pipeline_split_is_offered_where_the_default_loads_the_first_st
                                       "3 | 1 gives the stages before the output head's more)")
     assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args, [2, 2]))
     assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args))  # OOM before the pipeline was built
-    args.decoder_last_pipeline_num_layers = 1  # the user chose the split
+    args = replace_args(args, decoder_last_pipeline_num_layers=1)  # the user chose the split
     assert "--decoder-last-pipeline-num-layers" not in " ".join(levers(args, built))

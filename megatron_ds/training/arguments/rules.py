@@ -16,6 +16,7 @@ from megatron_ds.env_settings import INDUCTOR_OPTIONS, SettingError
 from megatron_ds.training.arguments import rules_fp8
 from megatron_ds.training.arguments.flags import ConfigError
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
+from megatron_ds.training.settings import Settings, freeze, settings_from
 
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
 POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval", "--recompute-num-layers")
@@ -24,8 +25,9 @@ if TYPE_CHECKING:  # the model and parallel packages import torch: only the rule
     from megatron_ds.parallel.state import ParallelDims
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
-    """Check every rule (each with its own message) and fill derived values on `args`.
+def validate(args: argparse.Namespace, world_size: int) -> Settings:
+    """Check every rule (each with its own message), fill derived values on `args`, freeze it (any later write
+    raises: training/settings.py) and return the typed settings.
 
     Sets: world_size, data_parallel_size, global_batch_size (when not given), gradient_accumulation_steps,
     ds_config_file (parsed dict or None), and what the DeepSpeed config file fills (sources.py).
@@ -54,6 +56,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _environment(args)
     _hangs_and_restarts(args)
     args.world_size, args.data_parallel_size = world_size, dims.dp
+    return settings_from(freeze(args))
 
 
 def _dest(flag: str) -> str:
