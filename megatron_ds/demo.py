@@ -25,7 +25,8 @@ SPLIT = "95,5,0"  # train, validation, test documents; the corpus is shuffled, s
 # training 5.02 (mean of iterations 291-300), validation 5.50: what a newcomer should see (tests/test_demo.py
 # holds the demo to them). Megatron's sample order (--data-order megatron, the default since issue 46) draws the
 # 2400 samples from the whole epoch; the earlier order (--data-order mds: 4.48 and 5.29) from a contiguous
-# quarter of the shuffled documents, whole files whose repetitions are easier to predict. Before the schedule counted samples (warmup from lr 0; a bisect put the change in
+# quarter of the shuffled documents, whole files whose repetitions are easier to predict. Before the schedule
+# counted samples (warmup from lr 0; a bisect put the change in
 # 702f240..187f46d, f89a366 the schedule commit among them): 5.14-5.20 and 5.75-5.84.
 EXPECTED_FINAL_LOSS = 5.0
 EXPECTED_VALIDATION_LOSS = 5.5

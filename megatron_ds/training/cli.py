@@ -63,11 +63,11 @@ def main(argv: list[str]) -> int:
     faulthandler.enable(all_threads=True)  # a rank that crashes (SIGSEGV, SIGABRT) shows where, in every thread
     if os.environ.get("RANK", "0") == "0":
         print_notices(args)
-    from megatron_ds.checkpoint import CheckpointError
-    from megatron_ds.training.lr_schedule import ScheduleMismatch
-    from megatron_ds.training.loop import train
-
     from torch.cuda import OutOfMemoryError
+
+    from megatron_ds.checkpoint import CheckpointError
+    from megatron_ds.training.loop import train
+    from megatron_ds.training.lr_schedule import ScheduleMismatch
 
     try:
         code = train(args)

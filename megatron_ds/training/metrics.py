@@ -180,7 +180,8 @@ class MetricsLogger:
             "mem_gib": memory_gib(),
         }
         if s.rank_times is not None:
-            record.update(slowest_rank=s.rank_times.slowest, slowest_rank_time_s=s.rank_times.times[s.rank_times.slowest],
+            record.update(slowest_rank=s.rank_times.slowest,
+                          slowest_rank_time_s=s.rank_times.times[s.rank_times.slowest],
                           median_rank_time_s=s.rank_times.median_of_others,
                           straggler_rank=s.rank_times.straggler(self.straggler_factor, s.step_time_s))
         return record

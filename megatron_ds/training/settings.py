@@ -145,6 +145,7 @@ class DataSettings:
 
     data_path: tuple[str, ...] | None
     data_cache_path: str | None
+    data_order: str  # megatron (Megatron-DeepSpeed's sample order) or mds (the order before)
     split: str
     tokenizer_type: str | None
     tokenizer_model: str | None

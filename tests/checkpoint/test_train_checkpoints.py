@@ -90,7 +90,8 @@ def test_resume_in_another_data_order_says_so(reference, demo_corpus, tmp_path):
     assert json.loads((ref / "ckpt" / "iter_0000005" / "mds_checkpoint.json").read_text())["args"]["data_order"] \
         == "megatron"
     copy_checkpoint(ref / "ckpt", "iter_0000005", tmp_path / "ckpt")
-    result = run(train_argv(demo_corpus, 1, ["--load", "ckpt", "--data-order", "mds", "--exit-interval", "6"]), tmp_path)
+    result = run(train_argv(demo_corpus, 1, ["--load", "ckpt", "--data-order", "mds", "--exit-interval", "6"]),
+                 tmp_path)
     assert ("the checkpoint was trained on --data-order megatron's samples, this run serves --data-order mds's; "
             "pass --data-order megatron to continue on the same samples") in result.stderr
 

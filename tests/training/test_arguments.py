@@ -127,7 +127,8 @@ def test_every_preset_is_a_valid_shape():
 
     for name, shape in PRESETS.items():
         args = parse_args(["--preset", name], env={})
-        GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_key_value_heads=args.num_key_value_heads,
+        GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                  num_key_value_heads=args.num_key_value_heads,
                   num_attention_heads=args.num_attention_heads, vocab_size=50304, seq_length=args.seq_length,
                   ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu), name
 
@@ -304,7 +305,8 @@ def test_deepspeed_config_must_agree(files):
     check(files, ds({"train_micro_batch_size_per_gpu": 4}), 1, "--micro-batch-size", "disagrees")
     check(files, ds({"bf16": {"enabled": True}}), 1, "--bf16", "enables bf16 but --bf16 was not given")
     check(files, [*ds({"fp16": {"enabled": False}}), "--fp16"], 1, "--fp16", "fp16.enabled=false")
-    validate(parse_args(base(files, *ds({"bf16": {"immediate_grad_update": True}}), "--bf16"), env={}), 1)  # options only
+    # options only
+    validate(parse_args(base(files, *ds({"bf16": {"immediate_grad_update": True}}), "--bf16"), env={}), 1)
     check(files, [*ds({"zero_optimization": {"stage": 2}}), "--zero-stage", "1"], 1, "--zero-stage", "disagrees")
     check(files, [*ds({"gradient_accumulation_steps": 3}), "--global-batch-size", "4"], 1, "--global-batch-size",
           "disagrees with gradient_accumulation_steps")

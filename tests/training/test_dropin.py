@@ -133,8 +133,8 @@ def test_sample_based_schedule_resumes_exactly(tmp_path, demo_corpus):
         environ = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
         result = subprocess.run(argv, cwd=cwd, env=environ, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-4000:]
-        return {r["iteration"]: (r["lm_loss"], r["lr"]) for r in map(json.loads, (cwd / "m.jsonl").read_text().splitlines())
-                if "lm_loss" in r}
+        rows = map(json.loads, (cwd / "m.jsonl").read_text().splitlines())
+        return {r["iteration"]: (r["lm_loss"], r["lr"]) for r in rows if "lm_loss" in r}
 
     whole = train("whole")
     assert sorted(whole) == [1, 2, 3, 4, 5, 6]  # 26 samples // 4 = 6 iterations

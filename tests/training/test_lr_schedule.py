@@ -90,7 +90,8 @@ class UpstreamScheduler:
 @pytest.mark.parametrize("flags, upstream", [
     (dict(lr_decay_iters=10, lr_warmup_iters=2), dict(warmup_steps=8, decay_steps=40)),
     (dict(lr_decay_samples=14, lr_warmup_samples=1), dict(warmup_steps=1, decay_steps=14)),
-    (dict(lr_decay_samples=30, lr_warmup_fraction=0.1, lr_decay_style="linear"), dict(warmup_steps=3.0, decay_steps=30)),
+    (dict(lr_decay_samples=30, lr_warmup_fraction=0.1, lr_decay_style="linear"),
+     dict(warmup_steps=3.0, decay_steps=30)),
     (dict(lr_decay_samples=30, lr_warmup_samples=8, lr_decay_tokens=1600),
      dict(warmup_steps=8, decay_steps=30, decay_tokens=1600)),
     (dict(lr_decay_samples=30, lr_warmup_tokens=256, lr_decay_tokens=1600),

@@ -92,8 +92,8 @@ def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, ea
                          ids=["default", "chunked", "wgrad"])
 def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_factory, demo_corpus, eager, flags, mode):
     """Compiled TP=2 with sequence parallelism on two gloo ranks: with no overlap flag (reorder is the default
-    there), with chunked and with wgrad. The start-up line names the mode and the losses are the one-rank eager ones (the
-    schedule moves, the sums do not; tests/model has the moved waits themselves, test_arguments the flag's
+    there), with chunked and with wgrad. The start-up line names the mode and the losses are the one-rank eager ones
+    (the schedule moves, the sums do not; tests/model has the moved waits themselves, test_arguments the flag's
     spellings)."""
     from megatron_ds.torch_support import compile_problem
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_train_equivalence import GPT, clean_env, data_flags
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train_equivalence import (ENTRYPOINT, GPT, LLAMA, assert_same_losses, clean_env,  # noqa: E402
-                                    data_flags, run_train)
+from test_train_equivalence import ENTRYPOINT, GPT, LLAMA, assert_same_losses, clean_env, data_flags, run_train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

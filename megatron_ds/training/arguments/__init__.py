@@ -9,6 +9,7 @@
   and the GPU).
 """
 
+from megatron_ds.model.config import pad_vocab_size
 from megatron_ds.training.arguments.flags import (
     NO_OP_SWITCHES,
     NO_OP_WITH_VALUE,
@@ -16,7 +17,6 @@ from megatron_ds.training.arguments.flags import (
     build_parser,
     print_notices,
 )
-from megatron_ds.model.config import pad_vocab_size
 from megatron_ds.training.arguments.rules import accumulation_steps, validate
 from megatron_ds.training.arguments.sources import load_ds_config, parse_args
 

@@ -23,6 +23,7 @@ class ConfigError(ValueError):
 
 # Megatron flags that change nothing here (the fusion or implementation they select does not exist
 # in mds, or is always on). Accepted with a one-line notice so old launch scripts keep working.
+QUERY_KEY_LAYER_SCALING = "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax"
 NO_OP_SWITCHES = {
     "--no-masked-softmax-fusion": "softmax fusion is the attention backend's business",
     "--no-bias-gelu-fusion": "mds's GeLU is exact unless --openai-gelu (the tanh approximation, what Megatron's "
@@ -30,8 +31,8 @@ NO_OP_SWITCHES = {
     "--no-bias-dropout-fusion": "mds has no bias-dropout fusion kernel",
     "--no-gradient-accumulation-fusion": "mds has no gradient-accumulation fusion kernel",
     "--no-async-tensor-model-parallel-allreduce": "compiled layers overlap TP comms (off: --tp-comm-overlap none)",
-    "--no-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
-    "--apply-query-key-layer-scaling": "query-key layer scaling only matters for fp16 overflow in Megatron's fused softmax",
+    "--no-query-key-layer-scaling": QUERY_KEY_LAYER_SCALING,
+    "--apply-query-key-layer-scaling": QUERY_KEY_LAYER_SCALING,
     "--attention-softmax-in-fp32": "attention softmax always runs in fp32 or inside the flash kernel",
     "--accumulate-allreduce-grads-in-fp32": "DeepSpeed owns gradient accumulation",
     "--use-contiguous-buffers-in-local-ddp": "DeepSpeed owns the gradient buffers",
@@ -287,14 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-cache-path", help="where sample indices are cached (default: next to the data)")
     g.add_argument("--data-order", choices=("megatron", "mds"), default="megatron",
                    help="megatron (default): Megatron-DeepSpeed's samples in its order (split, shuffles, blending); "
-                        "mds: the order mds used before (a fresh permutation per epoch, its own blending), for runs begun "
-                        "with it that must resume on the same samples (each order has its own index cache)")
+                        "mds: the order mds used before (a fresh permutation per epoch, its own blending), for runs "
+                        "begun with it that must resume on the same samples (each order has its own index cache)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer",
                    help="default GPT2BPETokenizer, as pretrain_gpt.py")
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model", help="HFTokenizer: tokenizer.json or a directory with one; SentencePieceTokenizer, "
-                   "GPTSentencePieceTokenizer, Llama2Tokenizer: the SentencePiece tokenizer.model")
+    g.add_argument("--tokenizer-model", help="HFTokenizer: tokenizer.json or a directory with one; "
+                   "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer: the SentencePiece "
+                   "tokenizer.model")
     g.add_argument("--vocab-size", type=int, help="NullTokenizer: its vocabulary size")
 
     g = p.add_argument_group("checkpoints")
@@ -340,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at each log point, name the rank whose own work per step (data path + forward) is more "
                         "than X times the other ranks' median (metrics: straggler_rank); 0 turns it off (default 1.5)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MIN",
-                   help="the process groups' own timeout for a collective (init_process_group), as Megatron (default 10)")
+                   help="the process groups' own timeout for a collective (init_process_group), as Megatron "
+                        "(default 10)")
 
     g = p.add_argument_group("accepted, no effect in mds")
     for flag, why in NO_OP_SWITCHES.items():

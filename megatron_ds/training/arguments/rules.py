@@ -406,11 +406,14 @@ def _hangs_and_restarts(args: argparse.Namespace) -> None:
     """The watchdog's allowances are positive (0 turns it off); restarts resume only through --load; a straggler is
     more than 1x the median."""
     if args.watchdog_timeout is not None and args.watchdog_timeout < 0:
-        raise ConfigError("--watchdog-timeout", f"must be >= 0 seconds (0 turns the watchdog off), got {args.watchdog_timeout:g}")
+        raise ConfigError("--watchdog-timeout",
+                          f"must be >= 0 seconds (0 turns the watchdog off), got {args.watchdog_timeout:g}")
     if args.watchdog_slow_phase_timeout <= 0:
-        raise ConfigError("--watchdog-slow-phase-timeout", f"must be positive, got {args.watchdog_slow_phase_timeout:g}")
+        raise ConfigError("--watchdog-slow-phase-timeout",
+                          f"must be positive, got {args.watchdog_slow_phase_timeout:g}")
     if args.distributed_timeout_minutes <= 0:
-        raise ConfigError("--distributed-timeout-minutes", f"must be positive, got {args.distributed_timeout_minutes:g}")
+        raise ConfigError("--distributed-timeout-minutes",
+                          f"must be positive, got {args.distributed_timeout_minutes:g}")
     if args.straggler_factor != 0 and args.straggler_factor <= 1:
         raise ConfigError("--straggler-factor", f"must be > 1 (a rank slower than the median by that factor is "
                           f"named) or 0 (off), got {args.straggler_factor:g}")

@@ -97,8 +97,8 @@ def msamp_layout(args: argparse.Namespace, dims: ParallelDims) -> None:
     ds_file, path = args.ds_config_file or {}, args.deepspeed_config
     if "msamp" in ds_file:
         raise ConfigError("--deepspeed_config", f"{path} has an msamp section; mds sets MS-AMP up from {flag} and "
-                          "--msamp-opt-level (that section makes MS-AMP's engine replace every Linear and broadcast the "
-                          "weights over all ranks, across tensor and pipeline parallelism): remove it")
+                          "--msamp-opt-level (that section makes MS-AMP's engine replace every Linear and broadcast "
+                          "the weights over all ranks, across tensor and pipeline parallelism): remove it")
     if ds_file.get("optimizer"):
         raise ConfigError("--deepspeed_config", f"{path} defines an optimizer; MS-AMP steps its FP8 weights with its "
                           "LBAdamW, which mds builds from --lr, --adam-beta1/2, --adam-eps, --weight-decay: remove the "
