@@ -1,6 +1,6 @@
 """mds: Megatron-DeepSpeed-style GPT pretraining, packaged to run the same everywhere.
 
-One concern per subpackage, in layers; each imports only from the layers below it (tests/test_layers.py
+One concern per subpackage, in layers; each imports only from the layers below it (tests/test_import_layers.py
 holds the order and checks every import, lazy ones included):
 
     demo                      make demo
