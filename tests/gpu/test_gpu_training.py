@@ -75,7 +75,8 @@ def run_train(tmp_path_factory, corpus, name: str, extra: list[str], nproc: int 
             "--train-iters", str(ITERS), "--lr", "1e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
             "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
             "--log-interval", "1", "--eval-iters", "0", "--metrics-file", str(metrics),
-            "--nproc-per-node", str(nproc), "--no-torch-compile", *extra]  # eager unless a case asks (CUDA default: on)
+            "--nproc-per-node", str(nproc), "--no-torch-compile",  # eager unless a case asks (CUDA default: on)
+            "--data-order", "mds", *extra]  # the samples the bounds were measured on (Megatron's order: since s27)
     if nproc > torch.cuda.device_count():  # SHARE_GPU: the ranks share GPU 0 (local rank modulo the GPUs seen)
         argv += ["--distributed-backend", "gloo"]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}

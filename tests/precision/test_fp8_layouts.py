@@ -23,20 +23,23 @@ LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--zero-stage", "1"],
 }
 # bf16 on the CPU, reductions in another order: observed <= 1.2e-3 on every iteration and ~4e-4 on average for
-# every layout (the GPU layouts' bounds are 1e-2 and 2.5e-3); the curve falls by 7% over the 10 iterations
+# every layout (the GPU layouts' bounds are 1e-2 and 2.5e-3); the curve falls by 7% over the 10 iterations. Those
+# figures are for the samples of --data-order mds, which these runs keep: Megatron's order (the default) starts on
+# other documents, where 10 iterations fall by only 2.5%, too little to show that every layout trains.
 REL, MEAN_REL = 3e-3, 1e-3
+DATA_ORDER = ["--data-order", "mds"]
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, demo_corpus):
     cwd = tmp_path_factory.mktemp("fp8-one-rank")
-    run_driver(cwd, demo_corpus)
+    run_driver(cwd, demo_corpus, *DATA_ORDER)
     return losses(cwd)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_fp8_layout_follows_the_one_rank_fp8_curve(layout, one_rank, demo_corpus, tmp_path):
-    out = run_driver(tmp_path, demo_corpus, *LAYOUTS[layout], nproc=2)
+    out = run_driver(tmp_path, demo_corpus, *LAYOUTS[layout], *DATA_ORDER, nproc=2)
     assert "FP8 torchao" in out, out[-3000:]
     got = losses(tmp_path)
     assert sorted(got) == sorted(one_rank) == list(range(1, 11))
