@@ -250,14 +250,11 @@ class MetricsLogger:
     def _to_wandb(self, scalars: dict, step: int) -> None:
         """Rank 0's scalars into the W&B run on the last rank (sent across when those are two ranks)."""
         if self._wandb_peer is not None:
-            import torch.distributed as dist
 
             if self._wandb is None:  # rank 0
-                dist.send_object_list([(scalars, step)], dst=self._wandb_peer)
+                _send_object((scalars, step), self._wandb_peer)
                 return
-            received = [None]
-            dist.recv_object_list(received, src=self._wandb_peer)
-            scalars, step = received[0]
+            scalars, step = _recv_object(self._wandb_peer)
         if self._wandb is not None:
             self._wandb.log(scalars, step)
 
@@ -270,3 +267,39 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+
+
+def _object_device():
+    """Where point-to-point tensors live: NCCL sends only GPU tensors."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send_object(obj, dst: int) -> None:
+    """A picklable object to rank ``dst``: its size, then its bytes (send_object_list is newer than torch 2.1)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(_object_device())
+    dist.send(torch.tensor([data.numel()], dtype=torch.long, device=data.device), dst)
+    dist.send(data, dst)
+
+
+def _recv_object(src: int):
+    """What ``_send_object`` sent from rank ``src``."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.long, device=_object_device())
+    dist.recv(size, src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=size.device)
+    dist.recv(data, src)
+    return pickle.loads(data.cpu().numpy().tobytes())
