@@ -20,14 +20,11 @@ from megatron_ds.precision.fp8 import FP8Engine, local_gemms
 DELAYED_SCALING_FLAGS = ("--fp8-margin", "--fp8-interval", "--fp8-amax-history-len", "--fp8-amax-compute-algo")
 
 
-TUNING_VARIABLE = "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"
-
-
 def fused_kernels_tuned() -> bool:
     """Whether inductor tunes its fused kernels (coordinate descent): off unless the user sets
-    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1, which torch reads itself. Tuning makes GPT-1.3B FP8 1.8% faster on
-    one H200 but made its first step 283 s instead of 34 s with a cold compile cache (bench/RESULTS.md, start-up):
-    paid back only after ~17,000 steps, so a start (and every restart on a new node) does not pay it by default."""
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1, which torch reads itself. Tuning makes GPT-1.3B FP8 about 2% faster
+    on one H200 but took it 283 s to its first step instead of 38 s with a cold compile cache (bench/RESULTS.md,
+    start-up): paid back only after ~16,000 steps, so a start (and every restart on a new node) does not pay it."""
     import torch._inductor.config as inductor
 
     return bool(inductor.coordinate_descent_tuning)
