@@ -153,6 +153,20 @@ def startup_lines(log: str) -> dict:
     return {"build_s": float(built.group(1)) if built else None, "compile": compiled.group(1) if compiled else None}
 
 
+def estimated_gib(train_flags: list[str]) -> float | None:
+    """The train CLI's own memory estimate for these flags (what --dry-run prints), held in each record against
+    the measured ``mem_gib_max``; None where the flags do not validate here."""
+    from megatron_ds.training import memory_estimate
+    from megatron_ds.training.arguments import ConfigError, parse_args, validate
+
+    try:
+        args = parse_args(train_flags, env={})
+        validate(args, args.nproc_per_node or 1)
+    except (ConfigError, SystemExit):
+        return None
+    return round(memory_estimate.estimate(*memory_estimate.for_args(args)).total_gib, 1)
+
+
 def run_ours(args, flags: list[str]) -> dict:
     work = args.work_dir / args.name
     work.mkdir(parents=True, exist_ok=True)
@@ -176,6 +190,7 @@ def run_ours(args, flags: list[str]) -> dict:
               "harness_command": [sys.executable] + sys.argv, "config": resolved_shape(flags),
               "warmup_steps": args.warmup_steps, "environment": environment(),
               "startup_s": started.get("startup_s"), **startup_lines((work / "train.log").read_text()),
+              "estimated_gib": estimated_gib(cmd[len(_train_launcher()):]),
               "summary": median_summary(measured, SUMMARY_KEYS) if measured else None,
               "steps": steps, "log_tail": tail if code != 0 else tail[-3000:]}
     return record
@@ -264,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         s = rec.get("summary") or {}
         print(f"[bench] {rec['name']}: {rec['status']}; median tokens/s {s.get('tokens_per_s')}, "
               f"TFLOP/s/GPU {s.get('tflops_per_gpu')}, MFU {s.get('mfu')}, step {s.get('step_time_s')} s, "
-              f"mem {s.get('mem_gib')} GiB, start-up {rec.get('startup_s')} s (built in {rec.get('build_s')} s) "
+              f"mem {s.get('mem_gib_max') or s.get('mem_gib')} GiB (estimated {rec.get('estimated_gib')}), start-up {rec.get('startup_s')} s (built in {rec.get('build_s')} s) "
               f"-> {path}", flush=True)
     if "vs_baseline" in ours:
         print(f"[bench] ours/baseline tokens/s = {ours['vs_baseline']['tokens_per_s_ratio']:.3f}", flush=True)

@@ -106,7 +106,7 @@ def median_summary(records: list[dict], keys: tuple[str, ...]) -> dict:
     return out
 
 
-SUMMARY_KEYS = ("tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s", "mem_gib", "lm_loss")
+SUMMARY_KEYS = ("tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s", "mem_gib", "mem_gib_max", "lm_loss")
 
 
 def write_record(record: dict, out_dir: Path, name: str) -> Path:

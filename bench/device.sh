@@ -39,6 +39,17 @@ GPT27_TP2SP="$GPT27_TP2SP --tensor-model-parallel-size 2 --sequence-parallel"
 # GPT-1.3B over DeepSpeed-Ulysses SP=2 on two GPUs, micro batch 1, ZeRO-1 (sequence and global batch the stage's)
 ULYSSES2="$GPT13 --micro-batch-size 1 --zero-stage 1 --nproc-per-node 2 --ds-sequence-parallel-size 2"
 NODROP="--hidden-dropout 0 --attention-dropout 0"
+# GPT-13B on the four GPUs of one node, global batch 64, ZeRO-1; each layout's micro batch is the largest that fits
+GPT13B_NODE="--preset GPT13B --bf16 --global-batch-size 64 --zero-stage 1 --nproc-per-node 4"
+node_layout() {
+  case $1 in
+    tp2_sp_pp2) echo "--micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2" ;;
+    tp4_sp) echo "--micro-batch-size 8 --tensor-model-parallel-size 4 --sequence-parallel" ;;
+    pp4) echo "--micro-batch-size 4 --pipeline-model-parallel-size 4" ;;
+    dp4) echo "--micro-batch-size 2" ;;
+    *) echo "no layout '$1'" >&2; return 1 ;;
+  esac
+}
 
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
 keep() { local n; for n in "$@"; do cp bench/results/"$n"*.json "$OUT"/ 2>/dev/null; done; }  # as each lands
@@ -188,11 +199,37 @@ stage_startup() {  # start to iteration 1: GPT-6.7B TP=2+SP with a cold then a w
   bundle "startup_$TAG" "$runs"/*.json
 }
 
-stage_node_restart() {  # SIGKILL of rank 1 at step 7 under --max-restarts 1, checkpoints every 5 steps on /dev/shm:
-  # the time from the kill to step 6 logged again, and the resumed losses against two uninterrupted runs
+stage_whole_node() {  # GPT-13B on 4 GPUs: each run of $WHOLE_NODE (layout:cold starts from an empty compile cache
+  # of its own, layout:warm from the one its cold run left), after ALCF's GPT25B variables; one record, whole_node_$TAG
+  local S="--steps 6 --warmup-steps 2" run layout state cache runs="$LOGS/whole_node_$TAG"
   ds_patches
-  t 560 $PYTHON bench/node.py restart --name "node_restart_gpt6_7b_tp2_sp_$TAG" --steps 8 --kill-at 7 \
-    --save-interval 5 --timeout 250 -- $GPT67_TP2SP
+  rm -rf "$runs"
+  [ -n "${ALCF:-1}" ] && t 120 $PYTHON bench/node.py fits --name alcf_gpt25b --results-dir "$runs" \
+    MODEL_SIZE_KEY=GPT25B SEQ_LEN=4096 MICRO_BATCH=1 SP_TYPE=megatron ZERO_STAGE=1 -- --bf16 --nproc-per-node 4 \
+    --max-position-embeddings 4096
+  for run in ${WHOLE_NODE:-tp2_sp_pp2:cold tp4_sp:cold pp4:cold dp4:cold tp2_sp_pp2:warm}; do
+    layout=${run%%:*}; state=${run#*:}; cache="/tmp/mds_compile_node_$layout"
+    [ "$state" = cold ] && rm -rf "$cache"
+    TORCHINDUCTOR_CACHE_DIR=$cache t "${NODE_RUN_LIMIT:-150}" $B $S --results-dir "$runs" \
+      --name "gpt13b_gbs64_${layout}_$state" -- $GPT13B_NODE $(node_layout "$layout") ${NODE_EXTRA:-}
+    bundle "whole_node_$TAG" "$runs"/*.json
+  done
+}
+
+stage_node_restart() {  # SIGKILL of rank 1 at step 7 under --max-restarts 1, checkpoints every 5 steps on /dev/shm:
+  # the time from the kill to step 6 logged again, and the resumed losses against two uninterrupted runs.
+  # Four GPUs: GPT-13B TP=2+SP x PP=2 (global batch 16); two: GPT-6.7B TP=2+SP
+  local gpus name flags
+  gpus=$($PYTHON -c "import torch; print(torch.cuda.device_count())")
+  if [ "$gpus" -ge 4 ]; then
+    name="node_restart_gpt13b_tp2_sp_pp2_$TAG"
+    flags="$GPT13B_NODE $(node_layout tp2_sp_pp2) --global-batch-size 16"
+  else
+    name="node_restart_gpt6_7b_tp2_sp_$TAG" flags=$GPT67_TP2SP
+  fi
+  ds_patches
+  t "${RESTART_LIMIT:-560}" $PYTHON bench/node.py restart --name "$name" --steps 8 --kill-at 7 --save-interval 5 \
+    --timeout 250 -- $flags
 }
 
 stage_two_nodes() {  # two node launchers on one host as a 2-node Slurm step against one launcher: GPT-1.3B TP=2

@@ -17,6 +17,9 @@ two-nodes: the GPUs of the machine are split between two launchers (CUDA_VISIBLE
 (--nproc-per-node) with the variables a task of `srun -N2 --ntasks-per-node=1` sees (SLURM_NODEID 0 and 1, one
 master), so the multi-node rendezvous, global ranks and groups are the real ones; against one launcher of all the
 GPUs, the same flags. The record holds both loss curves, their largest relative difference and both tokens/s.
+
+fits: one run with a site script's variables (`python bench/node.py fits --name alcf_gpt25b MODEL_SIZE_KEY=GPT25B
+SEQ_LEN=4096 ... -- --bf16 --nproc-per-node 4`): trained (its MFU), or refused before any GPU work (exit 2).
 """
 
 from __future__ import annotations
@@ -245,8 +248,46 @@ def two_nodes(argv: list[str]) -> int:
 
 
 
+def fits(argv: list[str]) -> int:
+    """One `entrypoint train` with the variables a site script sets (KEY=VALUE before `--`): does it train, or is
+    it refused before any GPU work (exit 2, nothing spawned) naming what it needs and a layout that fits?"""
+    parser = argparse.ArgumentParser(prog="bench/node.py fits")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("MDS_BENCH_WORK", "/tmp/mds_bench")))
+    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="KEY=VALUE ... -- train flags")
+    args = parser.parse_args(argv)
+    split = args.rest.index("--") if "--" in args.rest else len(args.rest)
+    variables = dict(v.split("=", 1) for v in args.rest[:split])
+    flags = args.rest[split + 1:]
+    work = args.work_dir / args.name
+    work.mkdir(parents=True, exist_ok=True)
+    data = synthetic_dataset(args.work_dir / "synthetic_gpt2vocab_8M", 8_000_000, GPT2_VOCAB)
+    cmd = train_command(flags, steps=args.steps, metrics_file=work / "metrics.jsonl", data_prefix=data)
+    (work / "metrics.jsonl").unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(variables, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    steps = _records(work / "metrics.jsonl")
+    refused = done.returncode == 2 and "spawning" not in done.stderr and not steps
+    record = {"kind": "node_fits", "name": args.name, "variables": variables, "command": cmd,
+              "exit_code": done.returncode, "seconds_to_exit": round(time.monotonic() - start, 1),
+              "refused_before_gpu_work": refused, "trained_steps": len(steps),
+              "mfu": sorted(r["mfu"] for r in steps[1:])[len(steps[1:]) // 2] if len(steps) > 1 else None,
+              "stderr_tail": done.stderr[-2500:], "stdout_tail": done.stdout[-1500:], "environment": environment()}
+    record["status"] = "ok" if refused or (done.returncode == 0 and steps) else "failed"
+    path = write_record(record, args.results_dir, args.name)
+    print(f"[fits] {args.name}: exit {done.returncode} after {record['seconds_to_exit']} s, "
+          f"{'refused before any GPU work' if refused else f'{len(steps)} steps'} -> {path}\n"
+          f"{done.stderr[-1200:]}", flush=True)
+    return 0 if record["status"] == "ok" else 1
+
+
 def main() -> int:
-    commands = {"restart": restart, "two-nodes": two_nodes}
+    commands = {"restart": restart, "two-nodes": two_nodes, "fits": fits}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(__doc__, file=sys.stderr)
         return 2

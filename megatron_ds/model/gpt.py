@@ -14,8 +14,8 @@ The model depends only on its arguments: the tensor-parallel process group is pa
 labels, group)``) and handed down to every piece; None means TP=1, so no process group is needed.
 Nothing here reads a global parallel state. Each weight is drawn from a generator seeded by
 (config.seed, layer number, name) on the full matrix and then sliced, so TP=N and PP=N build the
-same model as one process does. Modules are built on the CPU in ``config.params_dtype``; move them
-with ``.to(device)`` (deepspeed.initialize does).
+same model as one process does. Modules are built in ``config.params_dtype``, on the CPU (their drawn
+weights on the GPU inside ``weights_drawn_on``); ``.to(device)`` gathers the rest (deepspeed.initialize does).
 
 For the training loop:
 - Sequence parallelism needs no call after backward: weights replicated over TP but used on

@@ -52,11 +52,14 @@ _draw_device: torch.device | None = None  # where seeded_normal draws (None: the
 
 @contextlib.contextmanager
 def weights_drawn_on(device: torch.device | None):
-    """Inside this block seeded_normal draws on ``device`` and hands back CPU tensors, as before.
+    """Inside this block seeded_normal draws on ``device`` and its tensors stay there: each rank slices its TP
+    part on the GPU and its parameters are born on it.
 
     Why: the CPU draws serially (~0.2 s per 10^8 numbers), so every rank spent ~35 s drawing GPT-6.7B's full
-    matrices before training could start; a GPU draws them in well under a second. The numbers then come from
-    that device's generator: equal for every TP/PP layout on one kind of machine, not equal to the CPU's draw.
+    matrices before training could start; a GPU draws them in well under a second. Copying the full fp32
+    matrices back to the host to slice them there cost as much again (TP=4 GPT-13B: 52 GB per rank, four ranks
+    at once). The numbers come from that device's generator: equal for every TP/PP layout on one kind of
+    machine, not equal to the CPU's draw.
     """
     global _draw_device
     saved, _draw_device = _draw_device, device
@@ -82,7 +85,7 @@ def seeded_normal(std: float, *key: object) -> Init:
         if device.type != "cpu":
             tensor = torch.empty(shape, dtype=torch.float32, device=device)
         generator = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-        return tensor.normal_(0.0, std, generator=generator).cpu()
+        return tensor.normal_(0.0, std, generator=generator)
 
     return init
 

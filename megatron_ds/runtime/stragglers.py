@@ -99,12 +99,13 @@ class OwnWork:
         return sum(end - start for start, end in spans)
 
 
-def gather(seconds: float, device: torch.device) -> list[float]:
-    """Every rank's value, in rank order: one all_gather of one number per rank (collective: all ranks call it)."""
-    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+def gather(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's values, in rank order: one all_gather of a few numbers per rank (collective: all ranks call
+    it)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return [float(t) for t in everyone]
+    return [t.tolist() for t in everyone]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from megatron_ds.runtime.progress import Progress
 from megatron_ds.runtime.stragglers import OwnWork, RankTimes, gather, slowdown_for_tests
 from megatron_ds.runtime.watchdog import Timeouts
 from megatron_ds.training.data import MicroBatches
-from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops, wandb_settings
+from megatron_ds.training.metrics import MetricsLogger, StepStats, memory_gib, peak_flops, wandb_settings
 from megatron_ds.training.settings import DataSettings, RuntimeSettings, settings_from
 from megatron_ds.training.state import TrainState
 
@@ -334,11 +334,15 @@ class Trainer:
     def _log_train(self, st: TrainState, lr: float, losses: LossSinceLastLog, timer: IntervalTimer) -> None:
         """The log line of the steps since the last one: mean loss and step time."""
         step_time = timer.take() / losses.steps
-        rank_times = RankTimes(gather(self.own_work.take() / losses.steps, self.device)) if self.own_work.enabled \
-            else None  # one all_gather per log point
+        rank_times = peak_gib = None
+        if self.settings.layout.world_size > 1:  # one all_gather per log point: each rank's own work and peak memory
+            own = self.own_work.take() / losses.steps if self.own_work.enabled else 0.0
+            per_rank = gather([own, memory_gib()], self.device)
+            rank_times = RankTimes([r[0] for r in per_rank]) if self.own_work.enabled else None
+            peak_gib = max(r[1] for r in per_rank)  # under PP the first stage's, not the logging rank's
         loss, skipped = losses.take(self._skipped_steps())
         stats = StepStats(st.iteration, st.consumed_train_samples, loss, lr, self._grad_norm(),
-                          self._loss_scale(), step_time, rank_times)
+                          self._loss_scale(), step_time, rank_times, peak_gib)
         self.metrics.log_train(stats, skipped=skipped)
 
     def run(self) -> int:

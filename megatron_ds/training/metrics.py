@@ -72,6 +72,7 @@ class StepStats:
     loss_scale: float | None
     step_time_s: float
     rank_times: RankTimes | None = None  # each rank's own work per step (None: one rank, or not measured)
+    peak_gib_all_ranks: float | None = None  # the largest rank's peak memory (None: one rank)
 
 
 def _finite_or_none(x):
@@ -179,6 +180,8 @@ class MetricsLogger:
             "mfu": mfu,
             "mem_gib": memory_gib(),
         }
+        if s.peak_gib_all_ranks is not None:  # what the memory estimate predicts: the fullest rank's peak
+            record["mem_gib_max"] = s.peak_gib_all_ranks
         if s.rank_times is not None:
             record.update(slowest_rank=s.rank_times.slowest,
                           slowest_rank_time_s=s.rank_times.times[s.rank_times.slowest],

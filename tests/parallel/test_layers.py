@@ -412,7 +412,7 @@ def test_fused_cross_entropy_equals_the_eager_chunks():
     assert (grad_fused - grad_eager).abs().max() <= 1e-2 * grad_eager.abs().max()  # both rounded to bf16
 
 
-def test_weights_drawn_on_a_device_come_back_on_the_cpu_and_the_block_restores_the_cpu_draw():
+def test_weights_drawn_on_a_device_stay_there_and_the_block_restores_the_cpu_draw():
     """build_engine draws on the rank's GPU (tests/gpu -k drawn_on covers CUDA); here the device is the CPU, whose
     draw must equal the default one, and leaving the block (also by an error) restores the default."""
     draw = seeded_normal(0.5, "test", "drawn")
