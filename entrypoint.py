@@ -8,7 +8,11 @@ A command appears here only once it works.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import time
+
+_STARTED_AT = time.time()  # what the user waits from: the ranks' start-up lines count from here
 
 # name -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -55,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"entrypoint: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from megatron_ds.env_settings import STARTED_AT
+
+    os.environ.setdefault(STARTED_AT.name, repr(_STARTED_AT))  # a spawned rank keeps its launcher's
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -146,11 +146,14 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def startup_lines(log: str) -> dict:
-    """From the start-up log: ``build_s`` (model and engine built in N s) and ``compile`` (what torch.compile
-    built at start-up and what each part cost), None where the run did not print them."""
+    """From the start-up log: ``build_s`` (model and engine built in N s), ``startup`` (where the wait before the
+    datasets went: launch and imports, process groups, build, data) and ``compile`` (what torch.compile built at
+    start-up and what each part cost), None where the run did not print them."""
     built = re.search(r"model and engine built in ([0-9.]+) s", log)
+    phases = re.search(r"mds train: start-up: (.*)", log)
     compiled = re.search(r"torch\.compile at start-up: (.*?); first step", log)
-    return {"build_s": float(built.group(1)) if built else None, "compile": compiled.group(1) if compiled else None}
+    return {"build_s": float(built.group(1)) if built else None, "startup": phases.group(1) if phases else None,
+            "compile": compiled.group(1) if compiled else None}
 
 
 def estimated_gib(train_flags: list[str]) -> float | None:
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         s = rec.get("summary") or {}
         print(f"[bench] {rec['name']}: {rec['status']}; median tokens/s {s.get('tokens_per_s')}, "
               f"TFLOP/s/GPU {s.get('tflops_per_gpu')}, MFU {s.get('mfu')}, step {s.get('step_time_s')} s, "
-              f"mem {s.get('mem_gib_max') or s.get('mem_gib')} GiB (estimated {rec.get('estimated_gib')}), start-up {rec.get('startup_s')} s (built in {rec.get('build_s')} s) "
+              f"mem {s.get('mem_gib_max') or s.get('mem_gib')} GiB (estimated {rec.get('estimated_gib')}), "
+              f"start-up {rec.get('startup_s')} s (built in {rec.get('build_s')} s) "
               f"-> {path}", flush=True)
     if "vs_baseline" in ours:
         print(f"[bench] ours/baseline tokens/s = {ours['vs_baseline']['tokens_per_s_ratio']:.3f}", flush=True)

@@ -204,7 +204,7 @@ stage_whole_node() {  # GPT-13B on 4 GPUs: each run of $WHOLE_NODE (layout:cold 
   local S="--steps 6 --warmup-steps 2" run layout state cache runs="$LOGS/whole_node_$TAG"
   ds_patches
   rm -rf "$runs"
-  [ -n "${ALCF:-1}" ] && t 120 $PYTHON bench/node.py fits --name alcf_gpt25b --results-dir "$runs" \
+  [ -n "${ALCF-1}" ] && t 120 $PYTHON bench/node.py fits --name alcf_gpt25b --results-dir "$runs" \
     MODEL_SIZE_KEY=GPT25B SEQ_LEN=4096 MICRO_BATCH=1 SP_TYPE=megatron ZERO_STAGE=1 -- --bf16 --nproc-per-node 4 \
     --max-position-embeddings 4096
   for run in ${WHOLE_NODE:-tp2_sp_pp2:cold tp4_sp:cold pp4:cold dp4:cold tp2_sp_pp2:warm}; do

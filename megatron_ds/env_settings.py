@@ -156,6 +156,11 @@ RANK_LD_PRELOAD: Setting[tuple[str, ...]] = Setting(
 SUPERVISED: Setting[bool] = Setting(
     "MDS_SUPERVISED", "0|1", False, _flag,
     doc="set by the launcher in the ranks it spawns: their launcher flags were applied already (internal)")
+STARTED_AT: Setting[float | None] = Setting(
+    "MDS_STARTED_AT", "seconds since the epoch", None, _number,
+    doc="when the user's `entrypoint` command started (an in-job restart: when the launcher started the ranks "
+        "again); set by the first mds process, inherited by its ranks, whose start-up line counts from it "
+        "(internal)")
 WATCHDOG_DIR: Setting[str | None] = Setting(
     "MDS_WATCHDOG_DIR", "directory", None, _text,
     doc="set by the node supervisor: where each rank writes its progress and stacks; unset, a rank watches "
@@ -199,7 +204,7 @@ FUSED_CROSS_ENTROPY: Setting[bool | None] = Setting(
     "MDS_FUSED_CROSS_ENTROPY", "0|1", None, _flag,
     doc="0 turns the compiled (fused) cross-entropy kernels off, 1 forces them (CPU tests); unset: on with CUDA")
 
-ALL: tuple[Setting, ...] = (PROFILE, PROFILE_PATH, CPU_BIND, RANK_LD_PRELOAD, SUPERVISED, WATCHDOG_DIR,
+ALL: tuple[Setting, ...] = (PROFILE, PROFILE_PATH, CPU_BIND, RANK_LD_PRELOAD, SUPERVISED, STARTED_AT, WATCHDOG_DIR,
                             TEST_SLOW_RANK, PATCH_MANIFEST, IMAGE_FLAVOUR, SIGNAL_GRACE, PEAK_TFLOPS,
                             INDUCTOR_OPTIONS, TP_COLLECTIVES, ALLOW_TP_COMPILE, FUSED_CROSS_ENTROPY)
 

@@ -16,10 +16,11 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_ds.env_settings import RANK_LD_PRELOAD, SUPERVISED
+from megatron_ds.env_settings import RANK_LD_PRELOAD, STARTED_AT, SUPERVISED
 from megatron_ds.runtime import profiles
 from megatron_ds.runtime.discovery import DiscoveryError, RankInfo, as_spawned, discover, rank_env
 from megatron_ds.runtime.profiles import Profile, ProfileError
@@ -211,6 +212,7 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
             return 0
         if not policy.should_restart(failure, stopped_from_outside=bool(supervisor.received)):
             return code
+        base[STARTED_AT.name] = repr(time.time())  # the next ranks' start-up counts from their relaunch
         if plan.info.source == "none" and "MASTER_PORT" not in os.environ:  # ours: a fresh rendezvous port
             plan = dataclasses.replace(plan, info=dataclasses.replace(plan.info, master_port=_free_port()))
 

@@ -41,6 +41,9 @@ class Run:
     train_ds: object | None = None
     valid_ds: object | None = None
     test_ds: object | None = None
+    started_at: float = 0.0  # time.time() when build_run began: the rank's launch and imports end there
+    group_seconds: float = 0.0  # creating the process groups
+    data_seconds: float = 0.0  # opening the datasets (index files built or read)
 
     @property
     def engine(self):
@@ -72,6 +75,7 @@ def build_run(args: Namespace, *, device: torch.device | None = None, backend: s
     every time), no data, and torch's own collective timeout, not --distributed-timeout-minutes (its
     collectives carry whole models over gloo).
     """
+    started_at, clock = time.time(), time.perf_counter()
     if backend is None:
         backend = args.distributed_backend or ("nccl" if device is not None and device.type == "cuda" else "gloo")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
@@ -81,6 +85,7 @@ def build_run(args: Namespace, *, device: torch.device | None = None, backend: s
     parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend,
                              timeout_minutes=args.distributed_timeout_minutes if training else None,
                              sp=getattr(args, "ds_sequence_parallel_size", None) or 1)
+    group_seconds = time.perf_counter() - clock
     if training:
         # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
         torch.manual_seed(args.seed + 100 * parallel.pp_rank)
@@ -97,9 +102,11 @@ def build_run(args: Namespace, *, device: torch.device | None = None, backend: s
     built = build_engine(args, precision, parallel, padded_vocab)
     run = Run(args=args, parallel=parallel, precision=precision, padded_vocab=padded_vocab, built=built,
               build_seconds=time.perf_counter() - start, checkpointer=Checkpointer(built.engine, args),
-              tokenizer=tokenizer)
+              tokenizer=tokenizer, started_at=started_at, group_seconds=group_seconds)
     if data and training:
         from megatron_ds.training.data import build_datasets
 
+        start = time.perf_counter()
         run.train_ds, run.valid_ds, run.test_ds = build_datasets(args)
+        run.data_seconds = time.perf_counter() - start
     return run

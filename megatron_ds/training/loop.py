@@ -23,6 +23,7 @@ from megatron_ds.checkpoint import StopAgreement
 from megatron_ds.runtime.progress import Progress
 from megatron_ds.runtime.stragglers import OwnWork, RankTimes, gather, slowdown_for_tests
 from megatron_ds.runtime.watchdog import Timeouts
+from megatron_ds.training import warmup
 from megatron_ds.training.data import MicroBatches
 from megatron_ds.training.metrics import MetricsLogger, StepStats, memory_gib, peak_flops, wandb_settings
 from megatron_ds.training.settings import DataSettings, RuntimeSettings, settings_from
@@ -160,7 +161,7 @@ class StopConditions:
         return None
 
 
-def _log_compile_time(device: torch.device, step_start: float) -> None:
+def _log_compile_time(device: torch.device, step_start: float, ahead: bool = False) -> None:
     """Once, after the first step: what compiling cost, per compiled function (nothing when the layers fell back
     to eager: the warning said so). The first step compiles the layer graph, the cross entropy and the optimizer
     step and, with a cold kernel cache, builds every kernel, so the whole first step is what a user waits for."""
@@ -171,8 +172,23 @@ def _log_compile_time(device: torch.device, step_start: float) -> None:
         _sync(device)  # once per run
         first_step = time.perf_counter() - step_start
         _log(f"mds train: torch.compile at start-up: {compile_costs.summary()} (first calls: tracing, lowering, "
-             f"kernels); first step {first_step:.1f} s in all. Compiled kernels are cached in {cache_dir()} "
+             f"kernels{'; the layer graph on every pipeline stage at once, before the step' if ahead else ''}); "
+             f"first step {first_step:.1f} s in all. Compiled kernels are cached in {cache_dir()} "
              "(TORCHINDUCTOR_CACHE_DIR): a run that finds them there starts faster")
+
+
+def startup_line(run) -> str:
+    """Where the wait before training went on this rank, from the start of `entrypoint` (or of an in-job restart:
+    env_settings.STARTED_AT) to the datasets opened; the first step's line adds what compiling cost."""
+    from megatron_ds.env_settings import STARTED_AT
+
+    parts = (f"process groups {run.group_seconds:.1f} s, model and engine {run.build_seconds:.1f} s, "
+             f"data {run.data_seconds:.1f} s")
+    started = STARTED_AT.get()
+    if started is None:
+        return f"mds train: start-up: {parts}"
+    return (f"mds train: start-up: launch and imports {run.started_at - started:.1f} s, {parts}; "
+            f"{time.time() - started:.1f} s since `entrypoint` started")
 
 
 class Trainer:
@@ -221,6 +237,7 @@ class Trainer:
             _log(f"warning: flash-attn v1/triton requested; ran attention backend {built.attention_backend}")
 
         self.train_ds, self.valid_ds, self.test_ds = run.train_ds, run.valid_ds, run.test_ds
+        _log(startup_line(run))
         if self.train_ds is None:
             raise RuntimeError("--split leaves no training data")
         self.metrics = MetricsLogger(
@@ -345,11 +362,25 @@ class Trainer:
                           self._loss_scale(), step_time, rank_times, peak_gib)
         self.metrics.log_train(stats, skipped=skipped)
 
+    def _compile_stages_ahead(self) -> bool:
+        """Pipeline stages compile their layer graph side by side before the first step (training/warmup.py)."""
+        fp8 = self.precision.fp8
+        if not warmup.wanted(torch_compile=self.settings.runtime.torch_compile, pipelined=self.pipelined,
+                             fp8_engine=fp8.name if fp8 is not None else None):
+            return False
+        shape = warmup.layer_input_shape(
+            seq_length=self.config.seq_length, micro_batch=self.settings.layout.micro_batch_size,
+            hidden=self.config.hidden_size, tp=self.parallel.tp_size, sequence_parallel=self.config.sequence_parallel,
+            ulysses=self.parallel.sp_size)
+        return warmup.compile_stage_layers(self.engine.module, shape, self.device) is not None
+
     def run(self) -> int:
         settings = self.settings
         self.setup()
         st = TrainState()  # the loop's position; self.parallel is the TP/PP/DP layout
         self.checkpointer.load(st)
+        compile_start = time.perf_counter()
+        ahead = self._compile_stages_ahead()
         losses = LossSinceLastLog(self.device, self._skipped_steps())
         timer = IntervalTimer(self.device)
         reason, first_step = None, True
@@ -361,7 +392,7 @@ class Trainer:
                     step_start = time.perf_counter()
                     losses.add(self.train_step(st.consumed_train_samples))
                     if first_step and settings.runtime.torch_compile:
-                        _log_compile_time(self.device, step_start)
+                        _log_compile_time(self.device, compile_start if ahead else step_start, ahead)
                     first_step = False
                     st.advance(settings.layout.global_batch_size)
                     self.progress.step(st.iteration)

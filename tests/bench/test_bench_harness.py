@@ -202,8 +202,12 @@ def test_startup_lines_give_build_time_and_what_compiled():
     from bench.bench_train import startup_lines
 
     log = ("mds train: world 2 = TP 2 x PP 1 x DP 1, ...; model and engine built in 34.9 s (weights drawn on the GPU)\n"
+           "mds train: start-up: launch and imports 9.1 s, process groups 0.4 s, model and engine 34.9 s, data 0.2 s; "
+           "44.6 s since `entrypoint` started\n"
            "mds train: torch.compile at start-up: layer graph 13.3 s, cross entropy (3 kernels) 2.0 s (first calls: "
            "tracing, lowering, kernels); first step 20.1 s in all. Compiled kernels are cached in /c\n")
     assert startup_lines(log) == {"build_s": 34.9, "compile": "layer graph 13.3 s, cross entropy (3 kernels) 2.0 s "
-                                                              "(first calls: tracing, lowering, kernels)"}
-    assert startup_lines("no start-up lines") == {"build_s": None, "compile": None}
+                                                              "(first calls: tracing, lowering, kernels)",
+                                  "startup": "launch and imports 9.1 s, process groups 0.4 s, model and engine 34.9 s, "
+                                             "data 0.2 s; 44.6 s since `entrypoint` started"}
+    assert startup_lines("no start-up lines") == {"build_s": None, "compile": None, "startup": None}
