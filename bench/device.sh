@@ -95,20 +95,22 @@ stage_one_gpu_hf() {  # GPT-1.3B, one GPU: the default flags against HF GPT-2 + 
   keep "gpt1_3b_s2048_mbs16_z1_vs_hf_$TAG"
 }
 
-stage_dp2() {  # GPT-1.3B: DP=2 per GPU against one GPU, DeepSpeed's overlap_comm off (default) and on, A B A B
-  local S="--steps 10 --warmup-steps 3" i cfg="$LOGS/ds_overlap_comm.json"
+stage_dp2() {  # GPT-1.3B: DP=2 per GPU against one GPU, DeepSpeed's overlap_comm off (default) and on, A B A B;
+  # the runs go into one record, dp2_$TAG
+  local S="--steps 10 --warmup-steps 3" i cfg="$LOGS/ds_overlap_comm.json" runs="$LOGS/dp2_$TAG"
   printf '{"zero_optimization": {"stage": 1, "overlap_comm": true, "reduce_bucket_size": %s}}\n' \
     "${DP_BUCKET:-50000000}" > "$cfg"
   ds_patches
-  t 120 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_ovl_${TAG}_1" -- $GPT13_16 --nproc-per-node 1
+  rm -rf "$runs"
+  t 120 $B $S --results-dir "$runs" --name "gpt1_3b_s2048_mbs16_z1_dp1_ovl_${TAG}_1" -- $GPT13_16 --nproc-per-node 1
   for i in 1 2; do
-    t 120 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_default_${TAG}_$i" -- $GPT13_16 --nproc-per-node 2
-    t 120 $B $S --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_overlap_comm_${TAG}_$i" -- $GPT13_16 \
-      --nproc-per-node 2 --deepspeed_config "$cfg"
-    keep "gpt1_3b_s2048_mbs16_z1_dp"
+    t 120 $B $S --results-dir "$runs" --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_default_${TAG}_$i" -- \
+      $GPT13_16 --nproc-per-node 2
+    t 120 $B $S --results-dir "$runs" --dp-hint 2 --name "gpt1_3b_s2048_mbs16_z1_dp2_overlap_comm_${TAG}_$i" -- \
+      $GPT13_16 --nproc-per-node 2 --deepspeed_config "$cfg"
   done
-  t 120 $B $S --name "gpt1_3b_s2048_mbs16_z1_dp1_ovl_${TAG}_2" -- $GPT13_16 --nproc-per-node 1
-  keep "gpt1_3b_s2048_mbs16_z1_dp"
+  t 120 $B $S --results-dir "$runs" --name "gpt1_3b_s2048_mbs16_z1_dp1_ovl_${TAG}_2" -- $GPT13_16 --nproc-per-node 1
+  bundle "dp2_$TAG" "$runs"/*.json
 }
 
 stage_pp2() {  # GPT-1.3B: PP=2 per GPU against one GPU (global batch 128, the default 13 | 11 split), one call
