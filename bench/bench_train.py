@@ -164,10 +164,10 @@ def estimated_gib(train_flags: list[str]) -> float | None:
 
     try:
         args = parse_args(train_flags, env={})
-        validate(args, args.nproc_per_node or 1)
+        settings = validate(args, args.nproc_per_node or 1)
     except (ConfigError, SystemExit):
         return None
-    return round(memory_estimate.estimate(*memory_estimate.for_args(args)).total_gib, 1)
+    return round(memory_estimate.estimate(*memory_estimate.for_settings(settings)).total_gib, 1)
 
 
 def run_ours(args, flags: list[str]) -> dict:

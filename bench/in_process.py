@@ -25,7 +25,7 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     from megatron_ds.runtime import profiles
     from megatron_ds.training.arguments import parse_args, validate
     from megatron_ds.training.build import build_run
-    from megatron_ds.training.settings import replace_args
+    from megatron_ds.training.settings import replace_args, settings_from
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port))):
@@ -44,5 +44,6 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
         args = replace_args(args, **after_validate(args))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    run = build_run(args, device=torch.device(device), backend="nccl" if device == "cuda" else "gloo", data=False)
+    run = build_run(settings_from(args), device=torch.device(device), backend="nccl" if device == "cuda" else "gloo",
+                    data=False)
     return args, run.built

@@ -1,7 +1,7 @@
 """Checkpoint files: save/load, exact resume, preemption, and the records (metadata, split records, merged
 shards) that megatron_ds.convert reads to export, import and reshard them. Knows nothing of training.
 
-The training loop owns its TrainState and a ``Checkpointer(engine, args)``: ``load(state)`` once at
+The training loop owns its TrainState and a ``Checkpointer(engine, flags)``: ``load(state)`` once at
 start, ``save(state)`` when ``due(iteration)`` (--save-interval) and at exit; the checkpointer
 records ``state.state_dict()`` and restores it with ``state.load_state_dict``. ``StopAgreement``
 (preemption.py) decides, collectively, when a signal or the time limit stops the run.

@@ -263,9 +263,14 @@ def load(engine, args: Namespace, state) -> bool:
 
 class Checkpointer:
     """One run's checkpointing, from its flags: what to resume from (--load), where (--save) and how
-    often (--save-interval) to save. The loop asks ``due(iteration)`` after each step."""
+    often (--save-interval) to save. The loop asks ``due(iteration)`` after each step.
 
-    def __init__(self, engine, args: Namespace):
+    ``flags``: every validated setting by its flag's name (training/settings.py flags_of), a dict or a Namespace.
+    By name because that is what a checkpoint stores (its metadata's "args") and what a load compares; this
+    layer knows nothing of training's sections."""
+
+    def __init__(self, engine, flags: dict | Namespace):
+        args = Namespace(**flags) if isinstance(flags, dict) else flags
         self.engine, self.args = engine, args
         self.enabled = bool(getattr(args, "save", None))  # without --save nothing is ever saved
         self.interval = getattr(args, "save_interval", None) if self.enabled else None

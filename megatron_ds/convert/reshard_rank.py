@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from argparse import Namespace
 
 import torch
 import torch.distributed as dist
@@ -74,11 +73,13 @@ def _link_optimizer_state(engine) -> None:
         opt._lazy_init_hp_params_optimizer_state()
 
 
-def build(args: Namespace, padded_vocab: int):
-    """The run these flags describe, built as training builds it (training/build.py), on gloo, for its engine."""
+def build(stored_flags: dict, padded_vocab: int):
+    """The run a checkpoint's stored flags describe (an older checkpoint's missing flags at their defaults:
+    settings_from_stored), built as training builds it (training/build.py), on gloo, for its engine."""
+    from megatron_ds.training.arguments import settings_from_stored
     from megatron_ds.training.build import build_run
 
-    return build_run(args, backend="gloo", padded_vocab=padded_vocab, training=False)
+    return build_run(settings_from_stored(stored_flags), backend="gloo", padded_vocab=padded_vocab, training=False)
 
 
 def local_parameters(engine, pipelined: bool, num_layers: int) -> dict[str, torch.nn.Parameter]:
@@ -110,8 +111,7 @@ def local_parameters(engine, pipelined: bool, num_layers: int) -> dict[str, torc
 
 def gather(spec: dict) -> None:
     """Load the source checkpoint at its own layout and write this rank's per-parameter state."""
-    args = Namespace(**spec["args"])
-    run = build(args, spec["padded_vocab"])
+    run = build(spec["args"], spec["padded_vocab"])
     engine, pipelined, parallel = run.engine, run.built.pipelined, run.parallel
     from megatron_ds.checkpoint import ds_load
 
@@ -121,7 +121,7 @@ def gather(spec: dict) -> None:
     _link_optimizer_state(engine)
     base, masters = _base_optimizer(engine), _masters(engine)
     params = {}
-    for name, param in local_parameters(engine, pipelined, args.num_layers).items():
+    for name, param in local_parameters(engine, pipelined, run.settings.model.num_layers).items():
         if _uses_zero_accessors(param):  # ZeRO 1-3: collective over DP, every rank asks
             from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -202,12 +202,11 @@ def scatter(spec: dict) -> None:
     """Fill a fresh engine at the target layout from the merged state and save it as a training run would."""
     from megatron_ds.training.state import TrainState
 
-    args = Namespace(**spec["args"])
-    run = build(args, spec["padded_vocab"])
+    run = build(spec["args"], spec["padded_vocab"])
     engine, pipelined, parallel = run.engine, run.built.pipelined, run.parallel
     merged = torch.load(spec["merged"], map_location="cpu", weights_only=False)
     full, entries = merged["params"], merged["splits"]
-    params = local_parameters(engine, pipelined, args.num_layers)
+    params = local_parameters(engine, pipelined, run.settings.model.num_layers)
     missing = sorted(set(params) - set(full))
     if missing:
         raise RuntimeError(f"the source checkpoint has no value for {missing[:5]}")

@@ -10,7 +10,6 @@ fp8_select.py, above them all, chooses the one that runs.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
@@ -98,20 +97,24 @@ def fp8_gemm_refusal(capability: tuple[int, int] | None) -> str | None:
     return None
 
 
-def options_from_args(args: argparse.Namespace) -> FP8Options:
-    return FP8Options(format=args.fp8_format or "hybrid", margin=args.fp8_margin, interval=args.fp8_interval,
-                      amax_history_len=args.fp8_amax_history_len, amax_compute_algo=args.fp8_amax_compute_algo,
-                      recipe=args.fp8_recipe, msamp_opt_level=args.msamp_opt_level)
+def fp8_options(precision) -> FP8Options:
+    """The FP8 options of a PrecisionSettings (training/settings.py), or of the flags while validation checks them:
+    the same names, so this layer needs neither."""
+    return FP8Options(format=precision.fp8_format or "hybrid", margin=precision.fp8_margin,
+                      interval=precision.fp8_interval, amax_history_len=precision.fp8_amax_history_len,
+                      amax_compute_algo=precision.fp8_amax_compute_algo, recipe=precision.fp8_recipe,
+                      msamp_opt_level=precision.msamp_opt_level)
 
 
-def fp8_requested(args: argparse.Namespace) -> str | None:
-    """The flag that turned FP8 on (--fp8-format, --fp8-e4m3, --fp8-hybrid, --msamp), or None for no FP8."""
-    if args.msamp:
+def fp8_requested(precision) -> str | None:
+    """The flag that turned FP8 on (--fp8-format, --fp8-e4m3, --fp8-hybrid, --msamp), or None for no FP8
+    (``precision``: the precision section, or the flags during validation)."""
+    if precision.msamp:
         return "--msamp"
-    if args.fp8_engine == "msamp":
+    if precision.fp8_engine == "msamp":
         return "--fp8-engine"
-    if args.fp8_format is not None:
-        return args.fp8_format_flag or "--fp8-format"
+    if precision.fp8_format is not None:
+        return precision.fp8_format_flag or "--fp8-format"
     return None
 
 

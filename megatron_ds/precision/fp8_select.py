@@ -8,9 +8,7 @@ where it can run here, else torchao.
 
 from __future__ import annotations
 
-import argparse
-
-from megatron_ds.precision.fp8 import ENGINES, FP8Engine, fp8_requested, options_from_args
+from megatron_ds.precision.fp8 import ENGINES, FP8Engine, fp8_options, fp8_requested
 
 
 def engine_class(name: str) -> type[FP8Engine]:
@@ -26,20 +24,20 @@ def engine_class(name: str) -> type[FP8Engine]:
     raise ValueError(f"unknown FP8 engine {name!r}; one of {ENGINES}")
 
 
-def engine_name(args: argparse.Namespace) -> str:
-    """Which engine the flags select (see the module docstring); auto resolves on this machine."""
-    if args.msamp:
+def engine_name(precision, transformer_impl: str) -> str:
+    """Which engine the precision section selects (see the module docstring); auto resolves on this machine.
+    ``transformer_impl``: the model section's --transformer-impl (transformer_engine asks for its FP8)."""
+    if precision.msamp:
         return "msamp"
-    if args.fp8_engine != "auto":
-        return args.fp8_engine
-    if args.transformer_impl == "transformer_engine":
+    if precision.fp8_engine != "auto":
+        return precision.fp8_engine
+    if transformer_impl == "transformer_engine":
         return "te"
-    options = options_from_args(args)
-    return "te" if engine_class("te")(options).missing() is None else "torchao"
+    return "te" if engine_class("te")(fp8_options(precision)).missing() is None else "torchao"
 
 
-def engine_from_args(args: argparse.Namespace) -> FP8Engine | None:
-    """The FP8 engine the flags ask for, or None without FP8."""
-    if fp8_requested(args) is None:
+def engine_for(precision, transformer_impl: str) -> FP8Engine | None:
+    """The FP8 engine a PrecisionSettings asks for, or None without FP8."""
+    if fp8_requested(precision) is None:
         return None
-    return engine_class(engine_name(args))(options_from_args(args))
+    return engine_class(engine_name(precision, transformer_impl))(fp8_options(precision))

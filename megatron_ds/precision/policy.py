@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_ds.precision.fp8 import FP8Engine
-from megatron_ds.precision.fp8_select import engine_from_args
+from megatron_ds.precision.fp8_select import engine_for
 
 
 @dataclass(frozen=True)
@@ -65,18 +65,19 @@ class Precision:
         return model if self.fp8 is None else self.fp8.convert(model, state)
 
 
-def from_args(args) -> Precision:
-    """The Precision that --bf16 / --fp16 (or neither: fp32) and the loss-scale flags describe."""
+def precision_from(precision, transformer_impl: str) -> Precision:
+    """The Precision that a PrecisionSettings (training/settings.py) describes: --bf16 / --fp16 (or neither: fp32),
+    the loss-scale flags and the FP8 engine (``transformer_impl``: the model section's, for --fp8-engine auto)."""
     common = dict(
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        fp8=engine_from_args(args),
+        loss_scale=precision.loss_scale,
+        initial_loss_scale=precision.initial_loss_scale,
+        min_loss_scale=precision.min_loss_scale,
+        loss_scale_window=precision.loss_scale_window,
+        hysteresis=precision.hysteresis,
+        fp8=engine_for(precision, transformer_impl),
     )
-    if args.bf16:
+    if precision.bf16:
         return Precision("bf16", torch.bfloat16, **common)
-    if args.fp16:
+    if precision.fp16:
         return Precision("fp16", torch.float16, **common)
     return Precision("fp32", torch.float32, **common)

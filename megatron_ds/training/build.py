@@ -1,4 +1,5 @@
-"""Building one run from validated flags, the one way that training, resharding and the benchmark harness share:
+"""Building one run from its typed settings (training/settings.py), the one way that training, resharding and the
+benchmark harness share:
 
     process groups -> dropout seed -> tokenizer, padded vocabulary -> precision -> model + DeepSpeed engine
     -> datasets -> checkpointer
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from argparse import Namespace
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +20,9 @@ import torch.distributed as dist
 from megatron_ds.checkpoint import Checkpointer
 from megatron_ds.model.config import pad_vocab_size
 from megatron_ds.parallel.state import ParallelState, init_parallel, local_device_index
-from megatron_ds.precision import Precision
-from megatron_ds.precision import from_args as precision_from_args
+from megatron_ds.precision import Precision, precision_from
 from megatron_ds.training.engine import Built, build_engine
+from megatron_ds.training.settings import Settings, flags_of
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Run:
     """What one run is made of. ``tokenizer`` is None where the padded vocabulary was given (a checkpoint's);
     ``train_ds``, ``valid_ds``, ``test_ds`` are None where no data was asked for."""
 
-    args: Namespace
+    settings: Settings
     parallel: ParallelState
     precision: Precision
     padded_vocab: int
@@ -63,9 +63,9 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_run(args: Namespace, *, device: torch.device | None = None, backend: str | None = None,
+def build_run(settings: Settings, *, device: torch.device | None = None, backend: str | None = None,
               padded_vocab: int | None = None, data: bool = True, training: bool = True) -> Run:
-    """The run the validated flags ``args`` describe, on this rank.
+    """The run ``settings`` describe, on this rank.
 
     ``backend``: the process groups' (default --distributed-backend, else NCCL on a GPU ``device``, gloo on the
     CPU). ``padded_vocab``: the model's vocabulary rows when a checkpoint fixes them (no tokenizer is built);
@@ -76,37 +76,41 @@ def build_run(args: Namespace, *, device: torch.device | None = None, backend: s
     collectives carry whole models over gloo).
     """
     started_at, clock = time.time(), time.perf_counter()
+    layout, model = settings.layout, settings.model
     if backend is None:
-        backend = args.distributed_backend or ("nccl" if device is not None and device.type == "cuda" else "gloo")
+        backend = layout.distributed_backend or ("nccl" if device is not None and device.type == "cuda" else "gloo")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
         # One process: an in-memory store, so no TCP port is needed (nor can collide with another job).
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    # Ulysses too: a checkpoint's ZeRO partitions span its dp x sp ranks (older checkpoints' flags lack the size)
-    parallel = init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, backend,
-                             timeout_minutes=args.distributed_timeout_minutes if training else None,
-                             sp=getattr(args, "ds_sequence_parallel_size", None) or 1)
+    # Ulysses too: a checkpoint's ZeRO partitions span its dp x sp ranks
+    parallel = init_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, backend,
+                             timeout_minutes=layout.distributed_timeout_minutes if training else None,
+                             sp=layout.ds_sequence_parallel_size or 1)
     group_seconds = time.perf_counter() - clock
     if training:
         # Dropout differs per pipeline stage (as Megatron: seed + 100 * pp rank); weights are seeded by name.
-        torch.manual_seed(args.seed + 100 * parallel.pp_rank)
+        torch.manual_seed(settings.runtime.seed + 100 * parallel.pp_rank)
     tokenizer = None
     if padded_vocab is None:
         from megatron_ds.data.tokenizers import build_tokenizer
 
-        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                    tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
-        padded_vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                      args.tensor_model_parallel_size)
-    precision = precision_from_args(args)
+        corpus = settings.data
+        tokenizer = build_tokenizer(corpus.tokenizer_type, vocab_file=corpus.vocab_file, merge_file=corpus.merge_file,
+                                    tokenizer_model=corpus.tokenizer_model, vocab_size=model.vocab_size)
+        padded_vocab = pad_vocab_size(tokenizer.vocab_size, model.make_vocab_size_divisible_by,
+                                      layout.tensor_model_parallel_size)
+    precision = precision_from(settings.precision, model.transformer_impl)
     start = time.perf_counter()
-    built = build_engine(args, precision, parallel, padded_vocab)
-    run = Run(args=args, parallel=parallel, precision=precision, padded_vocab=padded_vocab, built=built,
-              build_seconds=time.perf_counter() - start, checkpointer=Checkpointer(built.engine, args),
+    built = build_engine(settings, precision, parallel, padded_vocab)
+    # the checkpointer stores every setting under its flag's name (the metadata's "args") and compares them on load
+    checkpointer = Checkpointer(built.engine, flags_of(settings))
+    run = Run(settings=settings, parallel=parallel, precision=precision, padded_vocab=padded_vocab, built=built,
+              build_seconds=time.perf_counter() - start, checkpointer=checkpointer,
               tokenizer=tokenizer, started_at=started_at, group_seconds=group_seconds)
     if data and training:
         from megatron_ds.training.data import build_datasets
 
         start = time.perf_counter()
-        run.train_ds, run.valid_ds, run.test_ds = build_datasets(args)
+        run.train_ds, run.valid_ds, run.test_ds = build_datasets(settings)
         run.data_seconds = time.perf_counter() - start
     return run

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
             return _error(str(err))
         settings = validate(args, plan.ranks()[0].world_size)
         if os.environ.get("RANK") is None or args.dry_run:  # the launcher (or a lone rank): before any GPU work
-            fit = memory_estimate.check_fits(args, memory_estimate.gpu_memory_gib())
+            fit = memory_estimate.check_fits(settings, memory_estimate.gpu_memory_gib())
     except ConfigError as err:
         return _error(str(err))
     layout, runtime = settings.layout, settings.runtime
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
               f"{layout.data_parallel_size}, ZeRO-{settings.optimizer.zero_stage or 0}, micro batch "
               f"{layout.micro_batch_size} x {layout.gradient_accumulation_steps} accumulation steps\n"
               f"  estimated GPU memory: {fit.describe()} (torch's allocator peak; the CUDA context and NCCL "
-              f"add 1-3 GiB{'; an upper bound: ' + why if (why := memory_estimate.unestimated(args)) else ''})\n"
+              f"add 1-3 GiB{'; an upper bound: ' + why if (why := memory_estimate.unestimated(settings)) else ''})\n"
               "nothing started (--dry-run)")
         return 0
     from megatron_ds.runtime.bootstrap import become_rank
@@ -74,11 +74,11 @@ def main(argv: list[str]) -> int:
     except (CheckpointError, ScheduleMismatch) as err:  # missing, partial or mismatched --load: a config error
         code = _error(str(err))
     except OutOfMemoryError as err:  # a size this GPU cannot hold: a config error too (no restart would help)
-        code = _out_of_memory(args, err)
+        code = _out_of_memory(settings, err)
     leave_rank(code)
 
 
-def _out_of_memory(args, err: BaseException) -> int:
+def _out_of_memory(settings, err: BaseException) -> int:
     """The traceback, then one paragraph that says what to change (exit 2)."""
     import traceback
 
@@ -88,7 +88,7 @@ def _out_of_memory(args, err: BaseException) -> int:
 
     traceback.print_exc()
     index = torch.cuda.current_device()
-    return _error(out_of_memory.message(args, err, int(os.environ.get("RANK", "0")), index,
+    return _error(out_of_memory.message(settings, err, int(os.environ.get("RANK", "0")), index,
                                         out_of_memory.device_memory(index),
                                         os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                                         stage_layers=getattr(err, "stage_layers", None)))  # set by loop.train

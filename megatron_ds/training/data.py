@@ -15,26 +15,30 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from megatron_ds.training.settings import Settings
 
-def num_samples(args) -> tuple[int, int, int]:
+
+def num_samples(settings: Settings) -> tuple[int, int, int]:
     """Megatron's (train, valid, test) sample counts: evaluation runs every eval-interval and at the end.
 
     Training asks --train-samples when given (Megatron's train_val_test_num_samples), else iterations x
     global batch; --data-order mds keeps its earlier count (whole batches) so its runs resume on their samples.
     """
-    train = args.train_iters * args.global_batch_size
-    if getattr(args, "train_samples", None) and getattr(args, "data_order", "megatron") == "megatron":
-        train = args.train_samples
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    return train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size
+    data, runtime, gbs = settings.data, settings.runtime, settings.layout.global_batch_size
+    train = data.train_iters * gbs
+    if data.train_samples and data.data_order == "megatron":
+        train = data.train_samples
+    evals = (data.train_iters // runtime.eval_interval + 1) * runtime.eval_iters
+    return train, evals * gbs, runtime.eval_iters * gbs
 
 
-def build_datasets(args):
+def build_datasets(settings: Settings):
     """(train, valid, test) GPTDatasets from --data-path/--split (rank 0 builds the index caches)."""
     from megatron_ds.data.gpt_dataset import build_gpt_datasets
 
-    return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples(args),
-                              cache_dir=args.data_cache_path, order=getattr(args, "data_order", "megatron"))
+    data = settings.data
+    return build_gpt_datasets(data.data_path, data.split, settings.model.seq_length, settings.runtime.seed,
+                              num_samples(settings), cache_dir=data.data_cache_path, order=data.data_order)
 
 
 class MicroBatches:

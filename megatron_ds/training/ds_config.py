@@ -10,25 +10,28 @@ import copy
 
 from megatron_ds.precision import Precision
 from megatron_ds.training import ulysses_zero
+from megatron_ds.training.settings import Settings
 
 
-def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
-    config = copy.deepcopy(args.ds_config_file or {})
+def build_ds_config(settings: Settings, precision: Precision, *, on_cpu: bool) -> dict:
+    """The config DeepSpeed gets: the batch and ZeRO of the layout and optimizer sections, precision's sections."""
+    layout, optim = settings.layout, settings.optimizer
+    config = copy.deepcopy(optim.ds_config_file or {})
     config.update({
-        "train_batch_size": args.global_batch_size,
-        "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "gradient_clipping": args.clip_grad,
+        "train_batch_size": layout.global_batch_size,
+        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+        "gradient_accumulation_steps": layout.gradient_accumulation_steps,
+        "gradient_clipping": optim.clip_grad,
         "steps_per_print": 10**9,  # we print our own Megatron-style line
         "wall_clock_breakdown": False,
         # Our optimizer is torch's AdamW (fused on CUDA); DeepSpeed's ZeRO handles it fine.
         "zero_allow_untested_optimizer": True,
     })
     zero = dict(config.get("zero_optimization") or {})
-    zero["stage"] = args.zero_stage
-    if ulysses_zero.applies(args.zero_stage, getattr(args, "ds_sequence_parallel_size", 1) or 1):
+    zero["stage"] = optim.zero_stage
+    if ulysses_zero.applies(optim.zero_stage, layout.ds_sequence_parallel_size or 1):
         zero["reduce_scatter"] = True  # the one reduction path its backward scale is right for (ulysses_zero.py)
-    if args.zero_stage == 3 and args.torch_compile:
+    if optim.zero_stage == 3 and settings.runtime.torch_compile:
         # ZeRO-3 otherwise replaces torch.nn.functional.linear with its own autograd Function
         # (LinearFunctionForZeroStage3); traced by dynamo inside a compiled layer (torch 2.11, CUDA) its input
         # gradients came out None: every norm, QKV and FC1 gradient zero (bench/zero3_compile_probe.py).
@@ -39,7 +42,7 @@ def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
         # The user's keys win (e.g. bf16.immediate_grad_update, the fp16 loss scaling of the file, as under
         # Megatron-DeepSpeed's --deepspeed); "enabled" is the flags' (validate checked they agree).
         config[section] = {**ours, **(config.get(section) or {}), "enabled": ours["enabled"]}
-    if args.sequence_parallel:
+    if layout.sequence_parallel:
         # DeepSpeed's pipeline engine splits inter-stage activations (and their gradients) over TP by
         # default, assuming every TP rank holds the same activations; under sequence parallelism each
         # holds a different sequence shard, so that split gives a wrong loss. (validate refused a file

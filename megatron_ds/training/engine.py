@@ -23,32 +23,10 @@ from megatron_ds.parallel.pipeline_split import stage_layers
 from megatron_ds.parallel.state import ParallelState, local_device_index
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
-from megatron_ds.training.lr_schedule import ScheduledLR
-from megatron_ds.training.lr_schedule import from_args as schedule_from_args
+from megatron_ds.training.lr_schedule import ScheduledLR, schedule_from
 from megatron_ds.training.optimizer import AdamW
+from megatron_ds.training.settings import Settings, model_config
 from megatron_ds.training.ulysses_zero import backward_scale, partition_over_sequence_data_parallel
-
-
-def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfig:
-    """The GPTConfig the validated flags describe."""
-    rotary_base = int(args.rotary_base) if float(args.rotary_base).is_integer() else args.rotary_base
-    return GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_key_value_heads=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=padded_vocab_size, seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
-        rotary_base=rotary_base, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-        swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
-        openai_gelu=getattr(args, "openai_gelu", False),  # checkpoints' args from before the flag: exact GeLU
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, attention_backend=args.attention_backend,
-        sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        rotary_percent=args.rotary_percent, torch_compile=args.torch_compile,
-        tp_comm_overlap=getattr(args, "tp_comm_overlap", None),  # None in checkpoints' args from before the flag
-        params_dtype=precision.params_dtype, seed=args.seed,
-    )
 
 
 def pipeline_module(config: GPTConfig, state: ParallelState, last_stage_layers: int | None = None):
@@ -156,17 +134,20 @@ def _device_args():
     return None if not torch.cuda.is_available() else SimpleNamespace(device_rank=local_device_index())
 
 
-def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
+def build_engine(settings: Settings, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
+    """The model, our optimizer and LR schedule (unless the DeepSpeed config brings its own) and DeepSpeed's engine,
+    for this rank of ``state``."""
     import deepspeed
 
-    config = model_config(args, precision, padded_vocab_size)
+    optim = settings.optimizer
+    config = model_config(settings, padded_vocab_size, precision.params_dtype)
     pipelined = state.pp_size > 1
     # DeepSpeed's comm layer wraps the process group that parallel.state created (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     # 1. the model (TP-sliced layers for this rank's TP group; initial weights drawn on this rank's GPU, if any)
-    on_gpu = torch.cuda.is_available() and not args.use_cpu_initialization
+    on_gpu = torch.cuda.is_available() and not settings.model.use_cpu_initialization
     with weights_drawn_on(torch.device("cuda", local_device_index()) if on_gpu else None):
-        last_stage_layers = getattr(args, "decoder_last_pipeline_num_layers", None)  # None in older checkpoints' args
+        last_stage_layers = settings.layout.decoder_last_pipeline_num_layers
         module = (pipeline_module(config, state, last_stage_layers) if pipelined else
                   GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
     if on_gpu:
@@ -174,23 +155,23 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
     module = precision.wrap_model(module, state)
     # 3. the DeepSpeed config and our optimizer + LR schedule (unless the user's config defines them)
-    ds_config = build_ds_config(args, precision, on_cpu=not torch.cuda.is_available())
+    ds_config = build_ds_config(settings, precision, on_cpu=not torch.cuda.is_available())
     optimizer = lr_scheduler = None
     own_lr = not scheduler_from_config(ds_config)
-    param_groups = _param_groups(module, args.weight_decay)  # by shape: before any ZeRO-3 partitioning
+    param_groups = _param_groups(module, optim.weight_decay)  # by shape: before any ZeRO-3 partitioning
     if not optimizer_from_config(ds_config):
-        kwargs = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
         # an FP8 engine may bring its optimizer (MS-AMP: LBAdamW, which steps its FP8 weights)
         optimizer = precision.fp8.build_optimizer(param_groups, **kwargs) if precision.fp8 is not None else None
         if optimizer is None:
             if torch.cuda.is_available():
                 kwargs["fused"] = True
             optimizer = AdamW(param_groups, **kwargs)
-        if args.zero_stage == 0 and precision.name == "fp32" and isinstance(optimizer, AdamW):
+        if optim.zero_stage == 0 and precision.name == "fp32" and isinstance(optimizer, AdamW):
             optimizer.norm_fn = grad_norm_fn(module, state, pipelined)
-            optimizer.max_norm = args.clip_grad
+            optimizer.max_norm = optim.clip_grad
             ds_config["gradient_clipping"] = 0.0  # we clip, with the correct norm
-    schedule = schedule_from_args(args)
+    schedule = schedule_from(settings)
     if optimizer is not None:
         # DeepSpeed's fp16/bf16 wrappers without ZeRO take a start-up optimizer.step() on zero gradients:
         # with lr 0 it moves no weight (AdamW's decoupled decay would), and its state is dropped below.
@@ -199,9 +180,9 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     if own_lr:
         lr_scheduler = (ScheduledLR(optimizer, schedule, apply_now=False) if optimizer is not None
                         else (lambda opt: ScheduledLR(opt, schedule)))
-    if args.zero_stage == 3:
+    if optim.zero_stage == 3:
         gather_whole_layers(module)
-    scale = backward_scale(args.zero_stage, state.sp_size)
+    scale = backward_scale(optim.zero_stage, state.sp_size)
     if scale != 1.0:
         partition_over_sequence_data_parallel(module, state, ds_config)
     # 4. DeepSpeed: the pipeline engine takes its grid from the PipelineModule, the plain one our mpu
@@ -221,7 +202,7 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
             lr_scheduler.apply()
         else:
             for group in optimizer.param_groups:
-                group["lr"] = args.lr
+                group["lr"] = optim.lr
     return Built(engine, pipelined, config, _resolved_backend(module), scale, "the GPU" if on_gpu else "the CPU")
 
 

@@ -194,8 +194,8 @@ def startup_line(run) -> str:
 class Trainer:
     """One training run. `run()` returns the process exit code.
 
-    `settings` (training/settings.py) is what the loop reads; `args`, the validated flags, goes to the builder
-    and the checkpointer (which stores them)."""
+    `settings` (training/settings.py) is what the loop and the builder read; `args`, the validated flags, is kept
+    for W&B's run config (every flag as given, the preset's name too)."""
 
     def __init__(self, args, progress: Progress | None = None):
         self.args = args
@@ -208,7 +208,7 @@ class Trainer:
 
         args, layout, model, runtime = self.args, self.settings.layout, self.settings.model, self.settings.runtime
         self.device = pick_device()
-        run = build_run(args, device=self.device)  # process groups, model, engine, data, checkpointer
+        run = build_run(self.settings, device=self.device)  # process groups, model, engine, data, checkpointer
         self.parallel, self.tokenizer, self.padded_vocab, self.precision = (run.parallel, run.tokenizer,
                                                                             run.padded_vocab, run.precision)
         built, build_seconds = run.built, run.build_seconds

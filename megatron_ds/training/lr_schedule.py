@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_ds.training.settings import Settings
+
 STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 # What a resume does when the checkpoint's schedule differs from the flags (upstream's two flags).
 ON_RESUME = ("check", "flags", "checkpoint")
@@ -122,31 +124,38 @@ class ScheduledLR:
         self.apply()
 
 
-def from_args(args) -> LRSchedule:
-    """The schedule of a validated run: positions in tokens when a --lr-*-tokens flag is given, else samples.
+def schedule_from(settings: Settings) -> LRSchedule:
+    """The schedule of a run's settings: its optimizer section over its global batch and sequence length."""
+    return schedule_for(settings.optimizer, global_batch_size=settings.layout.global_batch_size,
+                        seq_length=settings.model.seq_length)
+
+
+def schedule_for(o, *, global_batch_size: int, seq_length: int) -> LRSchedule:
+    """The schedule of an OptimizerSettings (or, while validation checks it, the flags: the same names): positions
+    in tokens when a --lr-*-tokens flag is given, else samples.
 
     Iteration flags count in samples (x global batch), --lr-warmup-fraction is a fraction of the decay
     span, and warmup by samples with decay by tokens ends where upstream's does (samples x seq length).
     """
-    gbs, seq = args.global_batch_size, args.seq_length
-    by_tokens = args.lr_decay_tokens is not None or args.lr_warmup_tokens is not None
+    gbs, seq = global_batch_size, seq_length
+    by_tokens = o.lr_decay_tokens is not None or o.lr_warmup_tokens is not None
     unit = seq if by_tokens else 1  # position units per sample
 
-    if args.lr_decay_tokens is not None:
-        decay = args.lr_decay_tokens
-    elif args.lr_decay_samples is not None:
-        decay = args.lr_decay_samples * unit
+    if o.lr_decay_tokens is not None:
+        decay = o.lr_decay_tokens
+    elif o.lr_decay_samples is not None:
+        decay = o.lr_decay_samples * unit
     else:
-        decay = args.lr_decay_iters * gbs * unit
-    if args.lr_warmup_tokens is not None:
-        warmup = args.lr_warmup_tokens
-    elif args.lr_warmup_fraction is not None:
-        warmup = args.lr_warmup_fraction * decay
-    elif args.lr_warmup_samples:
-        warmup = args.lr_warmup_samples * unit
+        decay = o.lr_decay_iters * gbs * unit
+    if o.lr_warmup_tokens is not None:
+        warmup = o.lr_warmup_tokens
+    elif o.lr_warmup_fraction is not None:
+        warmup = o.lr_warmup_fraction * decay
+    elif o.lr_warmup_samples:
+        warmup = o.lr_warmup_samples * unit
     else:
-        warmup = args.lr_warmup_iters * gbs * unit
-    on_resume = ("flags" if args.override_opt_param_scheduler else
-                 "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
-    return LRSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup=warmup, decay=decay, style=args.lr_decay_style,
+        warmup = o.lr_warmup_iters * gbs * unit
+    on_resume = ("flags" if o.override_opt_param_scheduler else
+                 "checkpoint" if o.use_checkpoint_opt_param_scheduler else "check")
+    return LRSchedule(max_lr=o.lr, min_lr=o.min_lr, warmup=warmup, decay=decay, style=o.lr_decay_style,
                       per_step=gbs * unit, on_resume=on_resume)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from megatron_ds.model.config import GPTConfig, pad_vocab_size
 from megatron_ds.parallel.pipeline_split import stage_layers
+from megatron_ds.training.settings import Settings, model_config
 
 GIB = 1 << 30
 ACTIVATION_BYTES = 34  # per hidden element per token and layer, 16-bit, fused attention (no s x s scores)
@@ -165,51 +166,45 @@ def layout_that_fits(config: GPTConfig, layout: Layout, world: int, limit_gib: f
     return None
 
 
-def for_args(args) -> tuple[GPTConfig, Layout]:
-    """The model shape and layout of validated flags (the vocabulary as padded for GPT-2's 50,257 tokens where
-    the tokenizer, not yet loaded, decides it: the estimate's logits and embedding move by well under 1%)."""
-    tp = args.tensor_model_parallel_size
-    vocab = pad_vocab_size(getattr(args, "vocab_size", None) or 50257, args.make_vocab_size_divisible_by, tp)
-    config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab, seq_length=args.seq_length,
-                       max_position_embeddings=args.max_position_embeddings,
-                       position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-                       swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
-                       untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
-    pp = args.pipeline_model_parallel_size
-    layout = Layout(tp=tp, pp=pp, dp=max(1, args.world_size // (tp * pp)),  # Ulysses ranks shard ZeRO's state too
-                    ulysses=getattr(args, "ds_sequence_parallel_size", 1) or 1, zero_stage=args.zero_stage or 0,
-                    micro_batch=args.micro_batch_size, micro_batches=args.gradient_accumulation_steps,
-                    dtype_bytes=2 if (args.bf16 or args.fp16) else 4, sequence_parallel=bool(args.sequence_parallel),
-                    recompute=args.recompute_granularity == "full",
-                    last_stage_layers=args.decoder_last_pipeline_num_layers)
+def for_settings(settings: Settings) -> tuple[GPTConfig, Layout]:
+    """The model a run builds (settings.model_config, as the engine builds it) and its layout (the vocabulary as
+    padded for GPT-2's 50,257 tokens where the tokenizer, not yet loaded, decides it: the estimate's logits and
+    embedding move by well under 1%)."""
+    model, lay, optim = settings.model, settings.layout, settings.optimizer
+    tp, pp = lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
+    config = model_config(settings, pad_vocab_size(model.vocab_size or 50257, model.make_vocab_size_divisible_by, tp))
+    layout = Layout(tp=tp, pp=pp, dp=max(1, lay.world_size // (tp * pp)),  # Ulysses ranks shard ZeRO's state too
+                    ulysses=lay.ds_sequence_parallel_size or 1, zero_stage=optim.zero_stage or 0,
+                    micro_batch=lay.micro_batch_size, micro_batches=lay.gradient_accumulation_steps,
+                    dtype_bytes=2 if (settings.precision.bf16 or settings.precision.fp16) else 4,
+                    sequence_parallel=bool(lay.sequence_parallel), recompute=model.recompute_granularity == "full",
+                    last_stage_layers=lay.decoder_last_pipeline_num_layers)
     return config, layout
 
 
 REFUSE_ABOVE = 1.10  # the estimate is within ~6% of measured peaks: a run is refused only when clearly too large
 
 
-def unestimated(args) -> str | None:
+def unestimated(settings: Settings) -> str | None:
     """Why the estimate does not bound this run (then it is printed but refuses nothing), or None."""
-    if getattr(args, "fp8_format", None) or getattr(args, "msamp", False):
+    if settings.precision.fp8_format or settings.precision.msamp:
         return "FP8 keeps less than the 16-bit count (GPT-1.3B: 54 against 72 GiB)"
-    section = (getattr(args, "ds_config_file", None) or {}).get("zero_optimization") or {}
+    section = (settings.optimizer.ds_config_file or {}).get("zero_optimization") or {}
     if "offload_optimizer" in section or "offload_param" in section:
         return "ZeRO offload (the DeepSpeed config) keeps state in host memory"
     return None
 
 
-def check_fits(args, gpu_gib: float | None) -> Estimate:
+def check_fits(settings: Settings, gpu_gib: float | None) -> Estimate:
     """The estimate; ConfigError (exit 2, before any GPU work) when it exceeds the GPUs' memory by more than its
     own error, naming what is needed, what the GPUs have and a layout that fits. A borderline run starts (and
     meets the out-of-memory message if it does not fit); FP8 and offloaded runs are not refused."""
     from megatron_ds.training.arguments import ConfigError
 
-    config, layout = for_args(args)
+    config, layout = for_settings(settings)
     found = estimate(config, layout)
-    if gpu_gib is not None and found.total_gib > REFUSE_ABOVE * gpu_gib and unestimated(args) is None:
-        fits = layout_that_fits(config, layout, args.world_size, gpu_gib)
+    if gpu_gib is not None and found.total_gib > REFUSE_ABOVE * gpu_gib and unestimated(settings) is None:
+        fits = layout_that_fits(config, layout, settings.layout.world_size, gpu_gib)
         way_out = (f"a layout that fits: {fits}" if fits else
                    "no layout of these GPUs fits it: use more GPUs (nodes) or a smaller model")
         raise ConfigError("--micro-batch-size" if layout.micro_batch > 1 else "--tensor-model-parallel-size",

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import FrozenInstanceError, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_ds.model.config import GPTConfig
 
 # Validated attributes that no section holds, each with why.
 NOT_IN_SETTINGS = {
@@ -202,6 +207,7 @@ class RuntimeSettings:
 SECTIONS = {"model": ModelSettings, "layout": LayoutSettings, "precision": PrecisionSettings,
             "optimizer": OptimizerSettings, "data": DataSettings, "checkpoint": CheckpointSettings,
             "runtime": RuntimeSettings}
+FIELDS = [f.name for cls in SECTIONS.values() for f in fields(cls)]  # every section's, by flag name
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,38 @@ def section_from(cls: type, args: argparse.Namespace) -> Any:
 def settings_from(args: argparse.Namespace) -> Settings:
     """The sections of validated `args` (validate calls it last)."""
     return Settings(**{name: section_from(cls, args) for name, cls in SECTIONS.items()})
+
+
+def flags_of(settings: Settings) -> dict[str, Any]:
+    """Every field of every section by its flag's name: what a checkpoint stores as the run's flags."""
+    return {f.name: getattr(section, f.name) for section in vars(settings).values() for f in fields(section)}
+
+
+def model_config(settings: Settings, padded_vocab_size: int, params_dtype: torch.dtype | None = None) -> GPTConfig:
+    """The GPTConfig of a run: the model section, with the padded vocabulary (the tokenizer's or a checkpoint's),
+    the parameter dtype (the precision's), the seed and the layout and runtime bits the layers read. The one place
+    that maps settings to a model: the engine builds it, the memory estimate measures it."""
+    import torch
+
+    from megatron_ds.model.config import GPTConfig
+
+    m, runtime = settings.model, settings.runtime
+    rotary_base = int(m.rotary_base) if float(m.rotary_base).is_integer() else m.rotary_base
+    return GPTConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads, ffn_hidden_size=m.ffn_hidden_size,
+        vocab_size=padded_vocab_size, seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings, position_embedding_type=m.position_embedding_type,
+        rotary_base=rotary_base, normalization=m.normalization, norm_epsilon=m.norm_epsilon,
+        swiglu=m.swiglu, add_bias_linear=not m.disable_bias_linear, openai_gelu=m.openai_gelu,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std, attention_backend=m.attention_backend,
+        sequence_parallel=settings.layout.sequence_parallel, recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+        rotary_percent=m.rotary_percent, torch_compile=runtime.torch_compile, tp_comm_overlap=runtime.tp_comm_overlap,
+        params_dtype=params_dtype or torch.float32, seed=runtime.seed,
+    )
 
 
 class FrozenNamespace(argparse.Namespace):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -84,13 +83,15 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 def our_logits(checkpoint: Path, tokens: torch.Tensor) -> torch.Tensor:
     """One process: GPTModel from the checkpoint's recorded flags, loading the file the import wrote."""
     from megatron_ds.model.gpt import GPTModel
-    from megatron_ds.precision import from_args as precision_from_args
-    from megatron_ds.training.engine import model_config
+    from megatron_ds.precision import precision_from
+    from megatron_ds.training.arguments import settings_from_stored
+    from megatron_ds.training.settings import model_config
 
     metadata = json.loads((checkpoint / "mds_checkpoint.json").read_text())
-    args = Namespace(**metadata["args"])
+    settings = settings_from_stored(metadata["args"])
     module = torch.load(checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    config = model_config(args, precision_from_args(args), module["embedding.word_embeddings.weight"].shape[0])
+    precision = precision_from(settings.precision, settings.model.transformer_impl)
+    config = model_config(settings, module["embedding.word_embeddings.weight"].shape[0], precision.params_dtype)
     config.attention_backend = "reference"
     model = GPTModel(config)
     model.load_state_dict(module, strict=True)

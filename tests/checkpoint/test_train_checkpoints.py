@@ -286,15 +286,14 @@ def test_export_merges_by_the_split_record_and_rebuilds_it_for_older_checkpoints
 def test_export_merges_pipeline_stages(reference, tmp_path):
     """The PP=2 run's own validation loss at iteration 10 (computed by DeepSpeed's pipeline engine on
     validation samples 4..7) is reproduced by the exported model on the same samples."""
-    from argparse import Namespace
-
+    from megatron_ds.training.arguments import settings_from_stored
     from megatron_ds.training.data import build_datasets
 
     ref = reference("pp2")
     _convert(ref / "ckpt", tmp_path / "hf")
     saved = json.loads((ref / "ckpt" / "iter_0000010" / "mds_checkpoint.json").read_text())
     assert saved["consumed_valid_samples"] == 8  # evaluated samples 0..3 at iteration 5, 4..7 at 10
-    _, valid, _ = build_datasets(Namespace(**saved["args"]))
+    _, valid, _ = build_datasets(settings_from_stored(saved["args"]))
     samples = torch.stack([torch.from_numpy(valid[i].astype("int64")) for i in range(4, 8)])
     logits = _hf_logits(tmp_path / "hf", samples[:, :-1], "GPT2LMHeadModel")
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), samples[:, 1:].reshape(-1))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from argparse import Namespace
 
 import torch
 import torch.distributed as dist
@@ -20,16 +19,18 @@ import torch.distributed as dist
 def main(directory: str, tokens_path: str, out_path: str) -> int:
     from megatron_ds.model.gpt import GPTModel
     from megatron_ds.parallel.state import destroy, init_parallel
-    from megatron_ds.precision import from_args as precision_from_args
-    from megatron_ds.training.engine import model_config
+    from megatron_ds.precision import precision_from
+    from megatron_ds.training.arguments import settings_from_stored
+    from megatron_ds.training.settings import model_config
 
     metadata = json.load(open(os.path.join(directory, "mds_checkpoint.json")))
-    args = Namespace(**metadata["args"])
+    settings = settings_from_stored(metadata["args"])
     state = init_parallel(metadata["layout"]["tp"], 1, backend="gloo")
     module = torch.load(os.path.join(directory, f"mp_rank_{state.tp_rank:02d}_model_states.pt"),
                         map_location="cpu", weights_only=False)["module"]
     padded_vocab = module["embedding.word_embeddings.weight"].shape[0] * state.tp_size
-    config = model_config(args, precision_from_args(args), padded_vocab)
+    precision = precision_from(settings.precision, settings.model.transformer_impl)
+    config = model_config(settings, padded_vocab, precision.params_dtype)
     config.attention_backend = "reference"
     model = GPTModel(config, tp_group=state.tp_group)
     model.load_state_dict(module, strict=True)

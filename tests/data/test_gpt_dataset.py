@@ -197,12 +197,12 @@ def test_orders_have_their_own_caches_and_the_flag(tmp_path):
 def test_sample_counts_as_megatron_asks_them():
     """train_val_test_num_samples: --train-samples when given (megatron order), evaluation every interval and
     at the end, test once."""
-    from types import SimpleNamespace
-
     from megatron_ds.training.data import num_samples
+    from tests.training.sections import sections
 
-    iters = SimpleNamespace(train_iters=100, train_samples=None, global_batch_size=8, eval_interval=30, eval_iters=2)
-    assert num_samples(iters) == (800, (100 // 30 + 1) * 2 * 8, 16)
-    samples = SimpleNamespace(**{**vars(iters), "train_samples": 805, "train_iters": 805 // 8})
-    assert num_samples(samples)[0] == 805
-    assert num_samples(SimpleNamespace(**{**vars(samples), "data_order": "mds"}))[0] == 800
+    iters = dict(train_iters=100, train_samples=None, global_batch_size=8, eval_interval=30, eval_iters=2,
+                 data_order="megatron")
+    assert num_samples(sections(**iters)) == (800, (100 // 30 + 1) * 2 * 8, 16)
+    samples = {**iters, "train_samples": 805, "train_iters": 805 // 8}
+    assert num_samples(sections(**samples))[0] == 805
+    assert num_samples(sections(**{**samples, "data_order": "mds"}))[0] == 800

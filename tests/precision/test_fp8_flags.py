@@ -4,11 +4,21 @@ import sys
 
 import pytest
 
-from megatron_ds.precision import from_args
+from megatron_ds.precision import precision_from
 from megatron_ds.precision.fp8 import fp8_gemm_refusal
-from megatron_ds.precision.fp8_select import engine_from_args
+from megatron_ds.precision.fp8_select import engine_for
 from megatron_ds.runtime.bootstrap import visible_gpus
 from megatron_ds.training.arguments import ConfigError, parse_args, validate
+from megatron_ds.training.settings import PrecisionSettings, section_from
+
+
+def engine_from_args(args):
+    """The engine of parsed flags' precision section (the model section's --transformer-impl beside it)."""
+    return engine_for(section_from(PrecisionSettings, args), args.transformer_impl)
+
+
+def from_args(args):
+    return precision_from(section_from(PrecisionSettings, args), args.transformer_impl)
 
 ON_CPU = visible_gpus() == 0
 
@@ -271,7 +281,7 @@ def test_msamp_notes():
 def test_fp8_recipe_takes_megatron_lms_names(files):
     """Megatron-LM's --fp8-recipe: delayed (its default), tensorwise, mxfp8, blockwise. delayed is Transformer
     Engine's scaling; torchao has none and runs tensorwise, saying so; the block-scaling recipes are refused."""
-    from megatron_ds.precision.fp8 import FP8Options, options_from_args
+    from megatron_ds.precision.fp8 import FP8Options, fp8_options
     from megatron_ds.precision.fp8_te import TransformerEngine
     from megatron_ds.precision.fp8_torchao import TorchaoEngine
 
@@ -282,10 +292,10 @@ def test_fp8_recipe_takes_megatron_lms_names(files):
     for recipe in ("blockwise", "mxfp8"):
         err = refused(files, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe])
         assert err.flag == "--fp8-recipe" and f"{recipe} is one of Megatron-LM's block-scaling recipes" in str(err)
-    delayed = TorchaoEngine(options_from_args(parsed("--fp8-recipe", "delayed")))
+    delayed = TorchaoEngine(fp8_options(section_from(PrecisionSettings, parsed("--fp8-recipe", "delayed"))))
     assert delayed.describe().startswith("torchao (float8 tensorwise dynamic scaling")
     assert any("--fp8-recipe delayed: torchao has no delayed scaling" in n for n in delayed.notes({"--fp8-recipe"}))
-    assert TorchaoEngine(options_from_args(parsed())).notes(set()) == []
+    assert TorchaoEngine(fp8_options(section_from(PrecisionSettings, parsed()))).notes(set()) == []
     assert TorchaoEngine(FP8Options(recipe="rowwise")).describe().startswith("torchao (float8 rowwise")
     te = TransformerEngine
     assert te(FP8Options(recipe="delayed")).notes({"--fp8-recipe"}) == [] and te(FP8Options()).notes(set()) == []

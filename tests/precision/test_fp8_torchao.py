@@ -141,10 +141,12 @@ def dict_config(config: GPTConfig, **changes) -> GPTConfig:
 
 
 def test_precision_wrap_model_is_the_engines_conversion():
-    from megatron_ds.precision import from_args
+    from megatron_ds.precision import precision_from
     from megatron_ds.training.arguments import parse_args
+    from megatron_ds.training.settings import PrecisionSettings, section_from
 
-    precision = from_args(parse_args(["--num-layers", "2", "--bf16", "--fp8-format", "e4m3"], env={}))
+    args = parse_args(["--num-layers", "2", "--bf16", "--fp8-format", "e4m3"], env={})
+    precision = precision_from(section_from(PrecisionSettings, args), args.transformer_impl)
     model = GPTModel(GPTConfig(**LLAMA))
     chosen = set(local_gemms(model))
     model = precision.wrap_model(model)

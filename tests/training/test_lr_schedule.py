@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ds.training.lr_schedule import LRSchedule, ScheduledLR, ScheduleMismatch, from_args
+from megatron_ds.training.lr_schedule import LRSchedule, ScheduledLR, ScheduleMismatch, schedule_from
+from tests.training.sections import sections
 
 
 def test_warmup_then_linear_cosine_and_inverse_square_root_decay():
@@ -99,7 +100,7 @@ class UpstreamScheduler:
 ], ids=["iterations", "samples", "fraction", "sample-warmup-token-decay", "tokens"])
 def test_rates_equal_upstreams_update_by_update(flags, upstream):
     args = _args(**flags)
-    schedule = from_args(args)
+    schedule = schedule_from(sections(**vars(args)))
     ref = UpstreamScheduler(args.lr, args.min_lr, style=args.lr_decay_style, **upstream)
     expected = ref.rates(12, args.global_batch_size, args.seq_length)
     ours = []

@@ -97,7 +97,7 @@ def test_alcf_gpt25b_on_four_h200s_is_refused_before_any_gpu_work(tmp_path, demo
 def test_fp8_and_offloaded_runs_are_estimated_but_not_refused(demo_corpus):
     """The 16-bit count overestimates FP8 (GPT-1.3B: 72 against 54 GiB measured) and ZeRO offload, so those runs
     are never refused on it (FP8 itself validates only where a GPU is: its flags are set on a copy here)."""
-    import argparse
+    from dataclasses import replace
 
     from megatron_ds.training import memory_estimate
     from megatron_ds.training.arguments import ConfigError, parse_args, validate
@@ -105,13 +105,13 @@ def test_fp8_and_offloaded_runs_are_estimated_but_not_refused(demo_corpus):
     args = parse_args(["--preset", "GPT1_3B", "--bf16", "--micro-batch-size", "16", "--train-iters", "10", "--lr",
                        "1e-4", "--data-path", demo_corpus.prefix, "--vocab-file", demo_corpus.vocab_file,
                        "--merge-file", demo_corpus.merge_file], env={})
-    validate(args, 1)
+    settings = validate(args, 1)
     with pytest.raises(ConfigError, match="a layout that fits: --micro-batch-size 1"):
-        memory_estimate.check_fits(args, 29.3)  # 73.7 GiB needed
-    assert memory_estimate.check_fits(args, 70.0).total_gib > 70.0  # within the estimate's error: it starts
-    fp8 = argparse.Namespace(**{**vars(args), "fp8_format": "hybrid"})
+        memory_estimate.check_fits(settings, 29.3)  # 73.7 GiB needed
+    assert memory_estimate.check_fits(settings, 70.0).total_gib > 70.0  # within the estimate's error: it starts
+    fp8 = replace(settings, precision=replace(settings.precision, fp8_format="hybrid"))
     assert "FP8" in memory_estimate.unestimated(fp8) and memory_estimate.check_fits(fp8, 29.3).total_gib > 70
-    offload = argparse.Namespace(**{**vars(args), "ds_config_file": {"zero_optimization": {
-        "stage": 1, "offload_optimizer": {"device": "cpu"}}}})
+    offload = replace(settings, optimizer=replace(settings.optimizer, ds_config_file={"zero_optimization": {
+        "stage": 1, "offload_optimizer": {"device": "cpu"}}}))
     assert "offload" in memory_estimate.unestimated(offload) and memory_estimate.check_fits(offload, 29.3)
-    assert memory_estimate.unestimated(args) is None
+    assert memory_estimate.unestimated(settings) is None

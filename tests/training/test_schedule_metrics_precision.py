@@ -9,6 +9,7 @@ import torch
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config
 from megatron_ds.training.metrics import MetricsLogger, StepStats, peak_flops
+from tests.training.sections import sections
 
 
 def test_metrics_record_is_consistent(tmp_path):
@@ -47,14 +48,12 @@ def test_precision_sections():
 
 
 def test_ds_config_keeps_user_sections_and_sets_flags():
-    from types import SimpleNamespace
-
-    args = SimpleNamespace(ds_config_file={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5},
-                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                           "bf16": {"immediate_grad_update": True}},
-                           global_batch_size=16, micro_batch_size=2, gradient_accumulation_steps=4, clip_grad=1.0,
-                           zero_stage=1, sequence_parallel=False)
-    config = build_ds_config(args, Precision("bf16", torch.bfloat16), on_cpu=True)
+    settings = sections(ds_config_file={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5},
+                                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                        "bf16": {"immediate_grad_update": True}},
+                        global_batch_size=16, micro_batch_size=2, gradient_accumulation_steps=4, clip_grad=1.0,
+                        zero_stage=1, sequence_parallel=False, ds_sequence_parallel_size=1)
+    config = build_ds_config(settings, Precision("bf16", torch.bfloat16), on_cpu=True)
     assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}
     assert config["train_batch_size"] == 16
     assert config["bf16"] == {"immediate_grad_update": True, "enabled": True}  # the user's bf16 options stay
@@ -64,35 +63,30 @@ def test_ds_config_keeps_user_sections_and_sets_flags():
 
 
 def test_ds_config_file_loss_scaling_wins_as_under_megatron_deepspeed():
-    from types import SimpleNamespace
-
     user = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "initial_scale_power": 11}
-    args = SimpleNamespace(ds_config_file={"fp16": dict(user)}, global_batch_size=4, micro_batch_size=2,
-                           gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=0, sequence_parallel=False)
-    config = build_ds_config(args, Precision("fp16", torch.float16, loss_scale=12.0), on_cpu=False)
+    settings = sections(ds_config_file={"fp16": dict(user)}, global_batch_size=4, micro_batch_size=2,
+                        gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=0, sequence_parallel=False,
+                        ds_sequence_parallel_size=1)
+    config = build_ds_config(settings, Precision("fp16", torch.float16, loss_scale=12.0), on_cpu=False)
     assert config["fp16"] == {**Precision("fp16", torch.float16).deepspeed_config()["fp16"], **user}
 
 
 def test_ds_config_sequence_parallel_keeps_pipeline_activations_whole():
-    from types import SimpleNamespace
-
-    args = SimpleNamespace(ds_config_file={"pipeline": {"activation_checkpoint_interval": 0}}, global_batch_size=4,
-                           micro_batch_size=2, gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=0,
-                           sequence_parallel=True)
-    config = build_ds_config(args, Precision("fp32", torch.float32), on_cpu=True)
+    settings = sections(ds_config_file={"pipeline": {"activation_checkpoint_interval": 0}}, global_batch_size=4,
+                        micro_batch_size=2, gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=0,
+                        sequence_parallel=True, ds_sequence_parallel_size=1)
+    config = build_ds_config(settings, Precision("fp32", torch.float32), on_cpu=True)
     assert config["pipeline"] == {"activation_checkpoint_interval": 0, "pipe_partitioned": False,
                                   "grad_partitioned": False}
 
 
 def test_ds_config_ulysses_zero3_pins_reduce_scatter():
     """training/ulysses_zero.py: the SP backward scale is right for stage 3's reduce-scatter path only."""
-    from types import SimpleNamespace
-
     def zero_section(stage: int, sp: int) -> dict:
-        args = SimpleNamespace(ds_config_file={"zero_optimization": {"reduce_bucket_size": 5}}, global_batch_size=4,
-                               micro_batch_size=2, gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=stage,
-                               sequence_parallel=False, ds_sequence_parallel_size=sp, torch_compile=False)
-        return build_ds_config(args, Precision("fp32", torch.float32), on_cpu=True)["zero_optimization"]
+        settings = sections(ds_config_file={"zero_optimization": {"reduce_bucket_size": 5}}, global_batch_size=4,
+                            micro_batch_size=2, gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=stage,
+                            sequence_parallel=False, ds_sequence_parallel_size=sp, torch_compile=False)
+        return build_ds_config(settings, Precision("fp32", torch.float32), on_cpu=True)["zero_optimization"]
 
     assert zero_section(3, 2) == {"reduce_bucket_size": 5, "stage": 3, "reduce_scatter": True}
     assert zero_section(3, 1) == {"reduce_bucket_size": 5, "stage": 3}
@@ -102,13 +96,11 @@ def test_ds_config_ulysses_zero3_pins_reduce_scatter():
 def test_ds_config_compiled_zero3_keeps_torch_linear():
     """ZeRO-3's memory_efficient_linear (DeepSpeed's default: its own linear autograd Function in place of
     torch.nn.functional.linear) lost every input gradient inside a compiled layer on CUDA: off when compiling."""
-    from types import SimpleNamespace
-
     def zero_section(stage: int, compiled: bool) -> dict:
-        args = SimpleNamespace(ds_config_file=None, global_batch_size=4, micro_batch_size=2,
-                               gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=stage, sequence_parallel=False,
-                               ds_sequence_parallel_size=1, torch_compile=compiled)
-        return build_ds_config(args, Precision("bf16", torch.bfloat16), on_cpu=True)["zero_optimization"]
+        settings = sections(ds_config_file=None, global_batch_size=4, micro_batch_size=2,
+                            gradient_accumulation_steps=2, clip_grad=1.0, zero_stage=stage, sequence_parallel=False,
+                            ds_sequence_parallel_size=1, torch_compile=compiled)
+        return build_ds_config(settings, Precision("bf16", torch.bfloat16), on_cpu=True)["zero_optimization"]
 
     assert zero_section(3, True) == {"stage": 3, "memory_efficient_linear": False}
     assert zero_section(3, False) == {"stage": 3}  # eager: DeepSpeed's default

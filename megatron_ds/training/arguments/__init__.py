@@ -18,7 +18,7 @@ from megatron_ds.training.arguments.flags import (
     print_notices,
 )
 from megatron_ds.training.arguments.rules import accumulation_steps, validate
-from megatron_ds.training.arguments.sources import load_ds_config, parse_args
+from megatron_ds.training.arguments.sources import load_ds_config, parse_args, settings_from_stored
 
-__all__ = ["NO_OP_SWITCHES", "NO_OP_WITH_VALUE", "ConfigError", "accumulation_steps",
-           "build_parser", "load_ds_config", "pad_vocab_size", "parse_args", "print_notices", "validate"]
+__all__ = ["NO_OP_SWITCHES", "NO_OP_WITH_VALUE", "ConfigError", "accumulation_steps", "build_parser",
+           "load_ds_config", "pad_vocab_size", "parse_args", "print_notices", "settings_from_stored", "validate"]

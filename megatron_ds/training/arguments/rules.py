@@ -292,7 +292,7 @@ def _training_length(args: argparse.Namespace) -> None:
 
 
 def _schedule(args: argparse.Namespace) -> None:
-    from megatron_ds.training.lr_schedule import from_args
+    from megatron_ds.training.lr_schedule import schedule_for
 
     _training_length(args)
     warmups = [flag for flag in ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-tokens")
@@ -309,7 +309,7 @@ def _schedule(args: argparse.Namespace) -> None:
             raise ConfigError(flag, f"must be >= 0 (got {value})")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler")
-    schedule = from_args(args)
+    schedule = schedule_for(args, global_batch_size=args.global_batch_size, seq_length=args.seq_length)
     if schedule.warmup > schedule.decay:
         flag = warmups[0] if warmups else "--lr-warmup-fraction"
         raise ConfigError(flag, f"warmup ends after the decay: {schedule.warmup:g} > {schedule.decay:g} (samples, or "
@@ -372,11 +372,11 @@ def _environment(args: argparse.Namespace) -> None:
     rules_fp8.fp8_environment(args)
     if args.attention_backend == "flash2":  # asked explicitly: it must be able to run here
         from megatron_ds.model.attention import resolve_backend
-        from megatron_ds.precision import from_args
+        from megatron_ds.precision import precision_from
 
         flag = "--attention-backend" if "--attention-backend" in args.argv else "--use-flash-attn-v2"
         try:
-            resolve_backend("flash2", from_args(args).params_dtype)
+            resolve_backend("flash2", precision_from(args, args.transformer_impl).params_dtype)
         except ValueError as err:
             raise ConfigError(flag, str(err)) from None
     if args.fp16:  # DeepSpeed's fp16 path (loss scaling) exists on GPUs only: say so now, not in every rank
@@ -447,7 +447,7 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
     if args.zero_stage == 3 and file_zero.get("memory_efficient_linear", False):
         return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
                 "ZeRO-3's linear autograd Function wrongly: input gradients lost; mds sets it false when compiling)")
-    engine = engine_name(args) if fp8_requested(args) is not None else None
+    engine = engine_name(args, args.transformer_impl) if fp8_requested(args) is not None else None
     if engine == "te":
         return ("not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine "
                 "torchao compiles)")

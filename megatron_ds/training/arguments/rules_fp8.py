@@ -82,7 +82,7 @@ def msamp_layout(args: argparse.Namespace, dims: ParallelDims) -> None:
     from megatron_ds.precision.fp8_select import engine_name
 
     flag = fp8_requested(args)
-    if flag is None or engine_name(args) != "msamp":
+    if flag is None or engine_name(args, args.transformer_impl) != "msamp":
         return
     level, stage = args.msamp_opt_level, args.zero_stage
     if stage not in ZERO_STAGES[level]:
@@ -131,7 +131,7 @@ def gemm_capability(engine: FP8Engine, flag: str, capability: tuple[int, int] | 
 def fp8_environment(args: argparse.Namespace) -> None:
     """The FP8 engine's library is importable and the GPU has FP8 matrix multiplies (MS-AMP runs without them, in
     higher precision, as it documents: a start-up note says so)."""
-    from megatron_ds.precision.fp8 import device_capability, fp8_requested, options_from_args
+    from megatron_ds.precision.fp8 import device_capability, fp8_options, fp8_requested
     from megatron_ds.precision.fp8_select import engine_class, engine_name
     from megatron_ds.precision.fp8_te import installed as te_installed
 
@@ -144,8 +144,8 @@ def fp8_environment(args: argparse.Namespace) -> None:
             raise ConfigError("--transformer-impl", "transformer_engine is used for FP8 only in mds: add --fp8-format "
                               "hybrid, or use --transformer-impl local")
         return
-    name = engine_name(args)
-    engine = engine_class(name)(options_from_args(args))
+    name = engine_name(args, args.transformer_impl)
+    engine = engine_class(name)(fp8_options(args))
     flag = engine_flag(args, name, fp8_flag)
     why = engine.missing()
     if why is not None:

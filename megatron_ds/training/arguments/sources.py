@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from megatron_ds.training.arguments.flags import ConfigError, build_parser
 from megatron_ds.training.presets import preset
+from megatron_ds.training.settings import FIELDS, Settings, settings_from
 
 # ALCF launch scripts' variables that stand in for a flag the user did not give: (dest, variable).
 ALCF_INTEGERS = [("seq_length", "SEQ_LEN"), ("micro_batch_size", "MICRO_BATCH"), ("zero_stage", "ZERO_STAGE"),
@@ -47,6 +48,15 @@ def parse_args(argv: list[str], env: Mapping[str, str] = os.environ) -> argparse
     _from_defaults(args)
     _attention_backend(args)
     return args
+
+
+def settings_from_stored(stored: Mapping[str, object]) -> Settings:
+    """The Settings of a checkpoint's stored flags (its metadata's "args"), read as they are (validated when that run
+    started). A checkpoint written before a flag existed lacks it: the parser's default stands in (what that older
+    run effectively had); a value only validation derives and the dict lacks is None."""
+    defaults = vars(parse_args([], env={}))
+    return settings_from(argparse.Namespace(**{name: stored[name] if name in stored else defaults.get(name)
+                                                for name in FIELDS}))
 
 
 def _truthy(value: str) -> bool:
