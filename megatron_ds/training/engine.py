@@ -25,6 +25,7 @@ from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
 from megatron_ds.training.lr_schedule import ScheduledLR
 from megatron_ds.training.lr_schedule import from_args as schedule_from_args
+from megatron_ds.training.moe import expert_param_groups, moe_mlp_builder
 from megatron_ds.training.optimizer import AdamW
 from megatron_ds.training.ulysses_zero import backward_scale, partition_over_sequence_data_parallel
 
@@ -48,6 +49,17 @@ def model_config(args, precision: Precision, padded_vocab_size: int) -> GPTConfi
         rotary_percent=args.rotary_percent, torch_compile=args.torch_compile,
         tp_comm_overlap=getattr(args, "tp_comm_overlap", None),  # None in checkpoints' args from before the flag
         params_dtype=precision.params_dtype, seed=args.seed,
+        # MoE: getattr for checkpoints' args from before the flags (dense)
+        num_experts=tuple(getattr(args, "num_experts", None) or (1,)),
+        expert_interval=getattr(args, "expert_interval", 2),
+        moe_expert_parallel_size=getattr(args, "moe_expert_parallel_size", 1), topk=getattr(args, "topk", 1),
+        moe_loss_coeff=getattr(args, "moe_loss_coeff", 0.1),
+        moe_train_capacity_factor=getattr(args, "moe_train_capacity_factor", 1.0),
+        moe_eval_capacity_factor=getattr(args, "moe_eval_capacity_factor", 1.0),
+        moe_min_capacity=getattr(args, "moe_min_capacity", 4),
+        moe_token_dropping=getattr(args, "moe_token_dropping", True),
+        moe_top2_2nd_expert_sampling=getattr(args, "moe_top2_2nd_expert_sampling", True),
+        mlp_type=getattr(args, "mlp_type", "standard"),
     )
 
 
@@ -118,19 +130,31 @@ def grad_norm_fn(module: torch.nn.Module, state: ParallelState, pipelined: bool)
     TP-replicated weights (no ``tensor_model_parallel`` attribute) count on TP rank 0 only; a tied
     embedding repeated on the last pipeline stage counts on the first stage only.
     """
-    counted = []
+    counted, experts = [], []
     for name, p in module.named_parameters():
         if not getattr(p, "tensor_model_parallel", False) and state.tp_rank != 0:
             continue
         if pipelined and name.startswith("tied_modules.") and state.pp_rank != 0:
             continue
-        counted.append(p)
+        (experts if getattr(p, "allreduce", True) is False else counted).append(p)  # DeepSpeed marks experts
 
-    def norm() -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=counted[0].device if counted else "cpu")
-        for p in counted:
+    def squares(params) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+        for p in params:
             if p.grad is not None:
                 total += p.grad.detach().double().pow(2).sum()
+        return total
+
+    def norm() -> torch.Tensor:
+        total = squares(counted)
+        if experts:  # each expert-parallel rank holds other experts: their squares are summed over the EP group
+            from deepspeed.utils import groups
+
+            expert_group = groups._get_expert_parallel_group(experts[0].group_name)  # made in deepspeed.initialize
+            expert_total = squares(experts)
+            if dist.get_world_size(expert_group) > 1:
+                dist.all_reduce(expert_total, group=expert_group)
+            total = total + expert_total
         for size, group in ((state.tp_size, state.tp_group), (state.pp_size, state.pp_group)):
             if size > 1:
                 dist.all_reduce(total, group=group)
@@ -167,8 +191,10 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     on_gpu = torch.cuda.is_available() and not args.use_cpu_initialization
     with weights_drawn_on(torch.device("cuda", local_device_index()) if on_gpu else None):
         last_stage_layers = getattr(args, "decoder_last_pipeline_num_layers", None)  # None in older checkpoints' args
+        moe_mlp = moe_mlp_builder(state.dp_rank % config.moe_expert_parallel_size) if config.moe else None
         module = (pipeline_module(config, state, last_stage_layers) if pipelined else
-                  GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
+                  GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None,
+                           moe_mlp=moe_mlp))
     if on_gpu:
         torch.cuda.empty_cache()  # the drawn matrices' blocks: not kept to fragment a tight run's memory
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
@@ -178,6 +204,8 @@ def build_engine(args, precision: Precision, state: ParallelState, padded_vocab_
     optimizer = lr_scheduler = None
     own_lr = not scheduler_from_config(ds_config)
     param_groups = _param_groups(module, args.weight_decay)  # by shape: before any ZeRO-3 partitioning
+    if config.moe and getattr(args, "create_moe_param_group", False):
+        param_groups = expert_param_groups(param_groups)
     if not optimizer_from_config(ds_config):
         kwargs = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         # an FP8 engine may bring its optimizer (MS-AMP: LBAdamW, which steps its FP8 weights)

@@ -61,6 +61,16 @@ class ModelSettings:
     recompute_method: str | None
     recompute_num_layers: int
     deepspeed_activation_checkpointing: bool
+    num_experts: tuple[int, ...]
+    expert_interval: int
+    topk: int
+    moe_loss_coeff: float
+    moe_train_capacity_factor: float
+    moe_eval_capacity_factor: float
+    moe_min_capacity: int
+    moe_token_dropping: bool
+    moe_top2_2nd_expert_sampling: bool
+    mlp_type: str
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,8 @@ class LayoutSettings:
     pipeline_model_parallel_size: int
     data_parallel_size: int
     ds_sequence_parallel_size: int
+    moe_expert_parallel_size: int
+    enable_expert_tensor_parallelism: bool
     sequence_parallel: bool
     sequence_parallel_env: bool
     no_pipeline_parallel: bool
@@ -132,6 +144,7 @@ class OptimizerSettings:
     clip_grad: float
     zero_stage: int
     use_distributed_optimizer: bool
+    create_moe_param_group: bool
     override_opt_param_scheduler: bool
     use_checkpoint_opt_param_scheduler: bool
     deepspeed: bool
