@@ -90,3 +90,40 @@ def test_moe_metrics_logged(top1_one_rank):
         assert r["moe_loss"] > 0 and r["moe_tokens_dropped"] == 0  # dropping off
     assert "| moe loss: " in top1_one_rank["stdout"] and "moe tokens dropped: 0" in top1_one_rank["stdout"]
     assert len(top1_one_rank["train"]) == ITERS
+
+
+def test_save_and_resume_at_the_same_layout_is_bitwise(tmp_path_factory, demo_corpus):
+    """EP=2 over DP=2, top-2 with the sampled second expert and token dropping on (both draw random numbers): the
+    run saved at iteration 3 and resumed continues the uninterrupted run's losses bit for bit."""
+    layout = ["--num-experts", "4", "--expert-interval", "1", "--topk", "2", "--moe-expert-parallel-size", "2",
+              "--moe-min-capacity", "0", "--moe-train-capacity-factor", "0.5", "--train-iters", "6"]
+    whole = run_train(tmp_path_factory, demo_corpus, "moe_whole", GPT, layout, nproc=2)
+    ckpt = tmp_path_factory.mktemp("moe_ckpt") / "ckpt"
+    first = run_train(tmp_path_factory, demo_corpus, "moe_first", GPT,
+                      [*layout, "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"], nproc=2)
+    files = {p.name for p in (ckpt / "iter_0000003").iterdir()}
+    # DeepSpeed's expert files: one per (MoE layer, expert), and each expert-parallel rank's optimizer state
+    assert {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(4)} <= files
+    assert {"expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"} <= files, files
+    second = run_train(tmp_path_factory, demo_corpus, "moe_second", GPT, [*layout, "--load", str(ckpt)], nproc=2)
+    want = {r["iteration"]: (r["lm_loss"], r["moe_loss"]) for r in whole["train"]}
+    got = {r["iteration"]: (r["lm_loss"], r["moe_loss"]) for r in first["train"] + second["train"]}
+    assert got == want  # bitwise
+    assert sum(r["moe_tokens_dropped"] for r in whole["train"]) > 0  # capacity 0.5: tokens were dropped
+
+    # another expert-parallel size is refused at load, naming the flag
+    other = subprocess.run([ENTRYPOINT, "train", *GPT, *data_flags(demo_corpus), "--micro-batch-size", "2",
+                            "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
+                            "--eval-iters", "0", "--nproc-per-node", "2",
+                            *layout, "--moe-expert-parallel-size", "1", "--load", str(ckpt)],
+                           cwd=ckpt.parent, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert other.returncode != 0 and "--moe-expert-parallel-size: checkpoint 2, this run 1" in (
+        other.stdout + other.stderr), other.stdout[-2000:] + other.stderr[-3000:]
+
+    # convert: no HF counterpart, and no resharding of experts yet: exit 2 saying why
+    for argv in (["--to", "hf", "--load", str(ckpt), "--output", str(ckpt.parent / "hf")],
+                 ["--reshard", "--load", str(ckpt), "--to", str(ckpt.parent / "re"), "--data-parallel-size", "2"]):
+        result = subprocess.run([ENTRYPOINT, "convert", *argv], env=clean_env(), capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Mixture-of-Experts checkpoint (--num-experts 4)" in result.stderr, result.stderr
