@@ -14,6 +14,9 @@ from megatron_ds.training import ulysses_zero
 
 def build_ds_config(args, precision: Precision, *, on_cpu: bool) -> dict:
     config = copy.deepcopy(args.ds_config_file or {})
+    # Megatron-DeepSpeed's example configs carry a top-level curriculum_learning section (off), a key DeepSpeed
+    # 0.19 rejects outright; off, it asks for nothing (validate refused it on).
+    config.pop("curriculum_learning", None)
     config.update({
         "train_batch_size": args.global_batch_size,
         "train_micro_batch_size_per_gpu": args.micro_batch_size,

@@ -93,6 +93,9 @@ def _ds_config_agrees(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name}", f"{path} enables {name} but --{name} was not given")
         if in_flags and (ds_file.get(name) or {}).get("enabled") is False:  # options without "enabled" are fine
             raise ConfigError(f"--{name}", f"given, but {path} has {name}.enabled=false")
+    if _enabled(ds_file.get("curriculum_learning")):
+        raise ConfigError("--deepspeed_config", f"{path} enables curriculum_learning, which mds does not run; set "
+                          "its enabled to false (Megatron-DeepSpeed's example configs have it off)")
     stage = (ds_file.get("zero_optimization") or {}).get("stage")
     if stage is not None and int(stage) != args.zero_stage:
         raise ConfigError("--zero-stage", f"{args.zero_stage} disagrees with zero_optimization.stage={stage} in {path}")
