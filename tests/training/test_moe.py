@@ -127,3 +127,16 @@ def test_save_and_resume_at_the_same_layout_is_bitwise(tmp_path_factory, demo_co
                                 timeout=120)
         assert result.returncode == 2, result.stdout + result.stderr
         assert "Mixture-of-Experts checkpoint (--num-experts 4)" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("zero", ["1", "2"])
+def test_expert_parallel_2_under_zero_matches_one_rank(tmp_path_factory, demo_corpus, top1_one_rank, zero):
+    """ZeRO-1/2 shard the optimizer over DP and the experts' state over their expert-data-parallel group
+    (--create-moe-param-group); DeepSpeed then clips by its own global norm, experts counted once."""
+    run = run_train(tmp_path_factory, demo_corpus, f"moe_ep2_zero{zero}", GPT,
+                    [*MOE, "--moe-expert-parallel-size", "2", "--zero-stage", zero, "--create-moe-param-group"],
+                    nproc=2)
+    assert f"ZeRO-{zero}" in run["stdout"]
+    assert_same_losses(run, top1_one_rank)
+    for a, b in zip(run["train"], top1_one_rank["train"]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
