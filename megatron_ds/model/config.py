@@ -230,9 +230,29 @@ class GPTConfig:
         return qkv + scores_and_values + projection + mlp, 2 * h * self.vocab_size
 
     def flops_per_token(self) -> float:
-        """Megatron model FLOPs per trained token: forward + backward (= 3x forward), no recompute."""
+        """Megatron model FLOPs per trained token: forward + backward (= 3x forward), no recompute. Expert layers
+        count the MLPs a token runs (top-k), the gate and, with --mlp-type residual, the dense MLP and its mixing."""
         layer, head = self.forward_flops_per_token()
-        return 3.0 * (self.num_layers * layer + head)
+        return 3.0 * (self.num_layers * layer + head + sum(self._moe_extra(n)[1] for n in self.experts_per_layer))
+
+    def _mlp_sizes(self) -> tuple[int, int]:
+        """(parameters, forward FLOPs per token) of one dense MLP."""
+        h, f, bias = self.hidden_size, self.ffn_hidden_size, self.add_bias_linear
+        mlp_in = f * (2 if self.swiglu else 1)
+        return h * mlp_in + f * h + bias * (mlp_in + h), 2 * h * self.ffn_hidden_size * (3 if self.swiglu else 2)
+
+    def _moe_extra(self, experts: int) -> tuple[int, float]:
+        """(parameters, forward FLOPs per token) an expert layer of ``experts`` adds to the dense layer."""
+        if experts <= 1:
+            return 0, 0.0
+        h = self.hidden_size
+        params, flops = self._mlp_sizes()
+        extra_params = (experts - 1) * params + h * experts  # the other experts; the gate (no bias)
+        extra_flops = (self.topk - 1) * flops + 2 * h * experts
+        if self.mlp_type == "residual":  # the dense MLP beside the experts, and its two mixing coefficients
+            extra_params += params + 2 * h + 2
+            extra_flops += flops + 2 * h * 2
+        return extra_params, extra_flops
 
     def head_cost_in_layers(self) -> float:
         """The output head's FLOPs in transformer layers: what the last pipeline stage runs on top of its
@@ -249,7 +269,7 @@ class GPTConfig:
         mlp_in = f * (2 if self.swiglu else 1)
         layer = (2 * norm + h * qkv_out + h * h + h * mlp_in + f * h
                  + bias * (qkv_out + h + mlp_in + h))
-        total = self.num_layers * layer + norm
+        total = self.num_layers * layer + norm + sum(self._moe_extra(n)[0] for n in self.experts_per_layer)
         if include_embeddings:
             total += self.vocab_size * h
             if self.position_embedding_type == "learned_absolute":

@@ -140,3 +140,33 @@ def test_expert_parallel_2_under_zero_matches_one_rank(tmp_path_factory, demo_co
     assert_same_losses(run, top1_one_rank)
     for a, b in zip(run["train"], top1_one_rank["train"]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+COUNT = """
+import os, sys
+import torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo")
+from megatron_ds.model.config import GPTConfig
+from megatron_ds.model.gpt import GPTModel
+from megatron_ds.training.moe import moe_mlp_builder
+for kw in [{}, {"mlp_type": "residual", "topk": 2}, {"swiglu": True, "add_bias_linear": False}]:
+    config = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=16,
+                       num_experts=(2, 4), **kw)
+    model = GPTModel(config, moe_mlp=moe_mlp_builder(0))
+    print(config.num_parameters(), sum(p.numel() for p in model.parameters()))
+"""
+
+
+def test_parameter_count_includes_experts(tmp_path):
+    """GPTConfig.num_parameters (the start-up line, the memory estimate) counts every expert, the gates and
+    PR-MoE's residual MLP: what DeepSpeed's layer holds on one rank."""
+    import sys
+
+    from tests.checkpoint.ckpt_helpers import free_port
+
+    result = subprocess.run([sys.executable, "-c", COUNT, str(free_port())], env=clean_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line and line[0].isdigit()]
+    assert len(rows) == 3 and all(a == b for a, b in rows), rows
