@@ -170,3 +170,16 @@ def test_parameter_count_includes_experts(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line and line[0].isdigit()]
     assert len(rows) == 3 and all(a == b for a, b in rows), rows
+
+
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_bf16_with_expert_parallelism_trains(tmp_path_factory, demo_corpus, zero):
+    """bf16 (DeepSpeed's bf16 optimizer at ZeRO-0, bf16 ZeRO-1): the experts train beside the dense weights;
+    tokens are dropped at the default capacity and counted."""
+    run = run_train(tmp_path_factory, demo_corpus, f"moe_bf16_zero{zero}", GPT,
+                    ["--num-experts", "4", "--expert-interval", "1", "--moe-expert-parallel-size", "2", "--bf16",
+                     "--zero-stage", zero, "--create-moe-param-group"], nproc=2)
+    assert "bf16" in run["stdout"]
+    losses = [r["lm_loss"] for r in run["train"]]
+    assert len(losses) == ITERS and losses[-1] < losses[0]
+    assert all(r["moe_loss"] > 0 for r in run["train"]) and sum(r["moe_tokens_dropped"] for r in run["train"]) > 0
