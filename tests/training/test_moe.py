@@ -36,6 +36,38 @@ def test_layer_choice_follows_upstream():
     assert experts_per_layer(4, [1], 2) == [1, 1, 1, 1]
 
 
+def test_flags_parse_as_upstream():
+    from megatron_ds.training.arguments import parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+    default = parse_args(base)
+    assert (default.num_experts, default.expert_interval, default.moe_expert_parallel_size, default.topk) == (
+        [1], 2, 1, 1)
+    assert (default.moe_loss_coeff, default.moe_train_capacity_factor, default.moe_eval_capacity_factor,
+            default.moe_min_capacity) == (0.1, 1.0, 1.0, 4)
+    assert default.moe_token_dropping and default.moe_top2_2nd_expert_sampling and default.mlp_type == "standard"
+    assert not default.create_moe_param_group
+    given = parse_args([*base, "--num-experts", "64", "64", "128", "--disable-moe-token-dropping",
+                        "--disable-moe-top2-2nd-expert-sampling", "--mlp-type", "residual", "--topk", "2"])
+    assert given.num_experts == [64, 64, 128] and not given.moe_token_dropping
+    assert not given.moe_top2_2nd_expert_sampling and given.mlp_type == "residual" and given.topk == 2
+
+
+def test_model_config_names_the_flag():
+    from megatron_ds.model.config import GPTConfig, ModelConfigError
+
+    shape = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=16)
+    assert GPTConfig(**shape, num_experts=[2, 4]).experts_per_layer == [1, 2, 1, 4]
+    for kwargs, flag in ((dict(num_experts=(3,), moe_expert_parallel_size=2), "--moe-expert-parallel-size"),
+                         (dict(num_experts=(4,), topk=3), "--topk"),
+                         (dict(num_experts=(4, 4, 4)), "--num-experts"),
+                         (dict(num_experts=(4,), expert_interval=5), "--expert-interval"),
+                         (dict(num_experts=(4,), mlp_type="pyramid"), "--mlp-type")):
+        with pytest.raises(ModelConfigError) as err:
+            GPTConfig(**shape, **kwargs)
+        assert err.value.flag == flag and flag in str(err.value)
+
+
 def _dry(corpus, extra, nproc=2):
     argv = [ENTRYPOINT, "train", *GPT, *data_flags(corpus), "--micro-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-3", "--nproc-per-node", str(nproc), "--distributed-backend", "gloo", "--dry-run", *extra]
