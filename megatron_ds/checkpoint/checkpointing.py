@@ -95,8 +95,9 @@ def _writes_through(engine, *, drop_optimizer: bool):
 
 def split_record(args: Namespace, shape: dict | None) -> dict | None:
     """How each parameter of the model these flags build is split over TP (splits.py); None when the
-    flags describe no GPTModel."""
-    if shape is None or shape.get("padded_vocab_size") is None:
+    flags describe no GPTModel, or one with experts (their layers are DeepSpeed's, never split over TP, and
+    neither resharding nor export reads an MoE checkpoint: convert/cli.py refuses it)."""
+    if shape is None or shape.get("padded_vocab_size") is None or max(getattr(args, "num_experts", None) or [1]) > 1:
         return None
     from megatron_ds.checkpoint import splits
 

@@ -153,6 +153,24 @@ def saved_stage_layers(metadata: dict) -> list[int] | None:
     return list(recorded) if recorded else even_split(int(metadata["args"]["num_layers"]), saved_layout["pp"])
 
 
+def _moe_differences(saved_args: dict, args: Namespace) -> list[str]:
+    """The experts of each layer and their spread over expert-parallel ranks must be the checkpoint's: DeepSpeed
+    writes each expert's weights and each expert-parallel rank's optimizer state in files of their own.
+    Checkpoints from before MoE are dense (one expert)."""
+    problems = []
+    for name, default in (("num_experts", [1]), ("expert_interval", 2), ("mlp_type", "standard"),
+                          ("moe_expert_parallel_size", 1)):
+        saved, ours = saved_args.get(name, default), jsonable(getattr(args, name, default))
+        dense = max(saved_args.get("num_experts", [1])) <= 1 and max(getattr(args, "num_experts", [1])) <= 1
+        if name == "expert_interval" and dense:
+            continue  # no layer carries experts in either: the interval places nothing
+        if saved != ours:
+            why = ("each expert-parallel rank's experts and optimizer state are files of their own; mds does not "
+                   "reshard experts yet" if name == "moe_expert_parallel_size" else "another model")
+            problems.append(f"--{name.replace('_', '-')}: checkpoint {saved!r}, this run {ours!r} ({why})")
+    return problems
+
+
 def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_optim: bool,
                      load_rng: bool, directory: str, saved_model: dict | None = None,
                      model: dict | None = None) -> None:
@@ -212,6 +230,7 @@ def check_compatible(metadata: dict, args: Namespace, layout: Layout, *, load_op
     if load_rng and saved_layout["world_size"] != layout.world_size:
         problems.append(f"world size: checkpoint {saved_layout['world_size']} ranks, this run {layout.world_size} "
                         f"(each rank restores its own RNG state; pass --no-load-rng, or {RESHARD})")
+    problems += _moe_differences(saved_args, args)
     if problems:
         message = f"checkpoint {directory} does not match this run:\n  " + "\n  ".join(problems)
         if any(RESHARD in problem for problem in problems):

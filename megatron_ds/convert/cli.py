@@ -91,6 +91,20 @@ def import_main(args, parser) -> int:
 IMPORT_FORMATS = ("hf", "megatron-deepspeed")
 
 
+def refuse_experts(directory: str, metadata: dict, action: str) -> None:
+    """CheckpointError for a Mixture-of-Experts checkpoint: DeepSpeed keeps its experts in files of their own
+    (layer_L_expert_E_*), which neither the HF export nor the resharding reads yet."""
+    saved = metadata["args"]
+    experts = saved.get("num_experts") or [1]
+    if max(experts) > 1:
+        why = ("Hugging Face's GPT-2 and LLaMA classes have no experts (an MoE model has no HF counterpart here)"
+               if action == "--to hf" else "resharding does not move DeepSpeed's expert files (layer_*_expert_*) "
+               "between expert-parallel sizes yet; resume at the checkpoint's layout (--moe-expert-parallel-size "
+               f"{saved.get('moe_expert_parallel_size', 1)})")
+        raise CheckpointError(f"{action}: {directory} is a Mixture-of-Experts checkpoint (--num-experts "
+                              f"{' '.join(map(str, experts))}): not supported: {why}")
+
+
 def reshard_main(args, parser) -> int:
     from megatron_ds.checkpoint.checkpointing import checkpoint_directory
     from megatron_ds.convert import reshard
@@ -99,8 +113,10 @@ def reshard_main(args, parser) -> int:
         parser.error("--reshard needs --load DIR (the checkpoint) and --to NEW (an empty directory)")
     try:
         zero_stage = args.zero_stage
+        directory = checkpoint_directory(os.path.abspath(args.load), args.iteration)
+        source = meta.read(directory)
+        refuse_experts(directory, source, "--reshard")
         if zero_stage is None:
-            source = meta.read(checkpoint_directory(os.path.abspath(args.load), args.iteration))
             zero_stage = int(source["layout"]["zero_stage"])
         reshard.reshard(args.load, args.to, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                         dp=args.data_parallel_size, zero_stage=zero_stage, sp=args.ds_sequence_parallel_size,
@@ -130,6 +146,7 @@ def main(argv: list[str]) -> int:
         directory = checkpoint_directory(os.path.abspath(args.load), args.iteration)
         metadata = meta.read(directory)
         meta.check_complete(directory, metadata)
+        refuse_experts(directory, metadata, "--to hf")
         print(f"convert: reading {directory} (iteration {metadata['iteration']}, TP {metadata['layout']['tp']}, "
               f"PP {metadata['layout']['pp']})", flush=True)
         state_dict = merged_state_dict(directory, metadata)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ds.model.moe import MoEConfigError, check_moe, experts_per_layer
 from megatron_ds.parallel.overlap import MODES as OVERLAP_MODES
 from megatron_ds.torch_support import compile_problem
 
@@ -136,6 +137,19 @@ class GPTConfig:
                                         # (overlap.py)
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
+    # Mixture of Experts (Megatron-DeepSpeed's flags; model/moe.py): experts of each expert layer (one number, or
+    # one per expert layer), every expert_interval-th layer carries them; the gate's options go to DeepSpeed's MoE.
+    num_experts: tuple[int, ...] = (1,)
+    expert_interval: int = 2
+    moe_expert_parallel_size: int = 1
+    topk: int = 1
+    moe_loss_coeff: float = 0.1
+    moe_train_capacity_factor: float = 1.0
+    moe_eval_capacity_factor: float = 1.0
+    moe_min_capacity: int = 4
+    moe_token_dropping: bool = True
+    moe_top2_2nd_expert_sampling: bool = True
+    mlp_type: str = "standard"  # residual: PR-MoE's dense MLP beside the experts
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:
@@ -146,7 +160,17 @@ class GPTConfig:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.checkpoint_activations and self.recompute_granularity is None:
             self.recompute_granularity, self.recompute_method = "full", "uniform"
+        self.num_experts = tuple(self.num_experts)
         self.validate()
+
+    @property
+    def experts_per_layer(self) -> list[int]:
+        """Experts of each layer, layer 1 first (1: the dense MLP)."""
+        return experts_per_layer(self.num_layers, self.num_experts, self.expert_interval)
+
+    @property
+    def moe(self) -> bool:
+        return max(self.num_experts) > 1
 
     @property
     def head_dim(self) -> int:
@@ -180,6 +204,13 @@ class GPTConfig:
         _need(self.tp_comm_overlap not in ("pipeline", "chunked") or self.sequence_parallel, "--tp-comm-overlap",
               f"--tp-comm-overlap {self.tp_comm_overlap} splits the sequence-parallel all-gathers and "
               "reduce-scatters: it needs --sequence-parallel")
+        try:
+            check_moe(num_layers=self.num_layers, num_experts=self.num_experts, expert_interval=self.expert_interval,
+                      topk=self.topk, ep_size=self.moe_expert_parallel_size, mlp_type=self.mlp_type,
+                      capacity_factors=(self.moe_train_capacity_factor, self.moe_eval_capacity_factor),
+                      min_capacity=self.moe_min_capacity, loss_coeff=self.moe_loss_coeff)
+        except MoEConfigError as err:
+            raise ModelConfigError(str(err), err.flag) from None
 
     @property
     def tied_embeddings(self) -> bool:
@@ -199,9 +230,29 @@ class GPTConfig:
         return qkv + scores_and_values + projection + mlp, 2 * h * self.vocab_size
 
     def flops_per_token(self) -> float:
-        """Megatron model FLOPs per trained token: forward + backward (= 3x forward), no recompute."""
+        """Megatron model FLOPs per trained token: forward + backward (= 3x forward), no recompute. Expert layers
+        count the MLPs a token runs (top-k), the gate and, with --mlp-type residual, the dense MLP and its mixing."""
         layer, head = self.forward_flops_per_token()
-        return 3.0 * (self.num_layers * layer + head)
+        return 3.0 * (self.num_layers * layer + head + sum(self._moe_extra(n)[1] for n in self.experts_per_layer))
+
+    def _mlp_sizes(self) -> tuple[int, int]:
+        """(parameters, forward FLOPs per token) of one dense MLP."""
+        h, f, bias = self.hidden_size, self.ffn_hidden_size, self.add_bias_linear
+        mlp_in = f * (2 if self.swiglu else 1)
+        return h * mlp_in + f * h + bias * (mlp_in + h), 2 * h * self.ffn_hidden_size * (3 if self.swiglu else 2)
+
+    def _moe_extra(self, experts: int) -> tuple[int, float]:
+        """(parameters, forward FLOPs per token) an expert layer of ``experts`` adds to the dense layer."""
+        if experts <= 1:
+            return 0, 0.0
+        h = self.hidden_size
+        params, flops = self._mlp_sizes()
+        extra_params = (experts - 1) * params + h * experts  # the other experts; the gate (no bias)
+        extra_flops = (self.topk - 1) * flops + 2 * h * experts
+        if self.mlp_type == "residual":  # the dense MLP beside the experts, and its two mixing coefficients
+            extra_params += params + 2 * h + 2
+            extra_flops += flops + 2 * h * 2
+        return extra_params, extra_flops
 
     def head_cost_in_layers(self) -> float:
         """The output head's FLOPs in transformer layers: what the last pipeline stage runs on top of its
@@ -218,7 +269,7 @@ class GPTConfig:
         mlp_in = f * (2 if self.swiglu else 1)
         layer = (2 * norm + h * qkv_out + h * h + h * mlp_in + f * h
                  + bias * (qkv_out + h + mlp_in + h))
-        total = self.num_layers * layer + norm
+        total = self.num_layers * layer + norm + sum(self._moe_extra(n)[0] for n in self.experts_per_layer)
         if include_embeddings:
             total += self.vocab_size * h
             if self.position_embedding_type == "learned_absolute":

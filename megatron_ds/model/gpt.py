@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron_ds.model.attention import CoreAttention, check_ulysses_heads, ulysses_attention
 from megatron_ds.model.compiled import CompiledForward
 from megatron_ds.model.config import GPTConfig
+from megatron_ds.model.moe import MoEStats
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (
     ColumnParallelLinear,
@@ -247,6 +248,18 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
+def mlp_for_layer(config: GPTConfig, layer_number: int, group, moe_mlp=None) -> nn.Module:
+    """The dense MLP, or for an expert layer (model/moe.py's rule) ``moe_mlp(config, layer_number, group,
+    num_experts)``: an [s, b, h] -> [s, b, h] module with ``is_moe``, ``aux_loss`` and ``tokens_dropped``
+    (training/moe.py builds DeepSpeed's)."""
+    experts = config.experts_per_layer[layer_number - 1]
+    if experts <= 1:
+        return MLP(config, layer_number, group)
+    if moe_mlp is None:
+        raise ValueError(f"layer {layer_number} has {experts} experts: pass moe_mlp, the expert layer's builder")
+    return moe_mlp(config, layer_number, group, experts)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). [s, b, h] -> [s, b, h].
 
@@ -258,7 +271,7 @@ class TransformerLayer(nn.Module):
     ``torch_compile`` chooses the forward it runs (``body``); nothing is set on the layer afterwards.
     """
 
-    def __init__(self, config: GPTConfig, layer_number: int, tp_group=None, sp_group=None):
+    def __init__(self, config: GPTConfig, layer_number: int, tp_group=None, sp_group=None, moe_mlp=None):
         super().__init__()
         self.group = group = _checked(config, tp_group)
         self.layer_number = layer_number
@@ -268,7 +281,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = Norm(config, group)
         self.attention = SelfAttention(config, layer_number, group, sp_group)
         self.post_attention_norm = Norm(config, group)
-        self.mlp = MLP(config, layer_number, group)
+        self.mlp = mlp_for_layer(config, layer_number, group, moe_mlp)
         self.recompute = recompute_mode(config, layer_number - 1)
         self.body = self._body(config)
 
@@ -451,7 +464,7 @@ class GPTModel(nn.Module):
     the loss is still [b, s] (gathered over SP), the logits [b, s/sp, V].
     """
 
-    def __init__(self, config: GPTConfig, tp_group=None, sp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, sp_group=None, moe_mlp=None):
         super().__init__()
         self.config = config
         self.tp_group = _checked(config, tp_group)
@@ -459,8 +472,9 @@ class GPTModel(nn.Module):
             raise ValueError("DeepSpeed-Ulysses (sp_group) runs with TP = 1, as in Megatron-DeepSpeed")
         self.sp_group = sp_group
         self.embedding = EmbeddingStage(config, tp_group, sp_group=sp_group)
-        self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group, sp_group)
+        self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group, sp_group, moe_mlp)
                                     for n in range(1, config.num_layers + 1))
+        self.moe_stats = MoEStats([layer.mlp for layer in self.layers])  # the loop reads the last forward's
         self.final_norm = FinalNorm(config, tp_group)
         self.output_head = None if config.tied_embeddings else OutputHead(config, tp_group)
         # full + uniform recompute with chunks of several layers: one checkpoint per chunk (Megatron's

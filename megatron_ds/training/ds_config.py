@@ -17,6 +17,9 @@ def build_ds_config(settings: Settings, precision: Precision, *, on_cpu: bool) -
     """The config DeepSpeed gets: the batch and ZeRO of the layout and optimizer sections, precision's sections."""
     layout, optim = settings.layout, settings.optimizer
     config = copy.deepcopy(optim.ds_config_file or {})
+    # Megatron-DeepSpeed's example configs carry a top-level curriculum_learning section (off), a key DeepSpeed
+    # 0.19 rejects outright; off, it asks for nothing (validate refused it on).
+    config.pop("curriculum_learning", None)
     config.update({
         "train_batch_size": layout.global_batch_size,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,

@@ -24,6 +24,7 @@ from megatron_ds.parallel.state import ParallelState, local_device_index
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
 from megatron_ds.training.lr_schedule import ScheduledLR, schedule_from
+from megatron_ds.training.moe import expert_param_groups, moe_mlp_builder
 from megatron_ds.training.optimizer import AdamW
 from megatron_ds.training.settings import Settings, model_config
 from megatron_ds.training.ulysses_zero import backward_scale, partition_over_sequence_data_parallel
@@ -96,19 +97,31 @@ def grad_norm_fn(module: torch.nn.Module, state: ParallelState, pipelined: bool)
     TP-replicated weights (no ``tensor_model_parallel`` attribute) count on TP rank 0 only; a tied
     embedding repeated on the last pipeline stage counts on the first stage only.
     """
-    counted = []
+    counted, experts = [], []
     for name, p in module.named_parameters():
         if not getattr(p, "tensor_model_parallel", False) and state.tp_rank != 0:
             continue
         if pipelined and name.startswith("tied_modules.") and state.pp_rank != 0:
             continue
-        counted.append(p)
+        (experts if getattr(p, "allreduce", True) is False else counted).append(p)  # DeepSpeed marks experts
 
-    def norm() -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=counted[0].device if counted else "cpu")
-        for p in counted:
+    def squares(params) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+        for p in params:
             if p.grad is not None:
                 total += p.grad.detach().double().pow(2).sum()
+        return total
+
+    def norm() -> torch.Tensor:
+        total = squares(counted)
+        if experts:  # each expert-parallel rank holds other experts: their squares are summed over the EP group
+            from deepspeed.utils import groups
+
+            expert_group = groups._get_expert_parallel_group(experts[0].group_name)  # made in deepspeed.initialize
+            expert_total = squares(experts)
+            if dist.get_world_size(expert_group) > 1:
+                dist.all_reduce(expert_total, group=expert_group)
+            total = total + expert_total
         for size, group in ((state.tp_size, state.tp_group), (state.pp_size, state.pp_group)):
             if size > 1:
                 dist.all_reduce(total, group=group)
@@ -148,8 +161,10 @@ def build_engine(settings: Settings, precision: Precision, state: ParallelState,
     on_gpu = torch.cuda.is_available() and not settings.model.use_cpu_initialization
     with weights_drawn_on(torch.device("cuda", local_device_index()) if on_gpu else None):
         last_stage_layers = settings.layout.decoder_last_pipeline_num_layers
+        moe_mlp = moe_mlp_builder(state.dp_rank % config.moe_expert_parallel_size) if config.moe else None
         module = (pipeline_module(config, state, last_stage_layers) if pipelined else
-                  GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None))
+                  GPTModel(config, tp_group=state.tp_group, sp_group=state.sp_group if state.sp_size > 1 else None,
+                           moe_mlp=moe_mlp))
     if on_gpu:
         torch.cuda.empty_cache()  # the drawn matrices' blocks: not kept to fragment a tight run's memory
     # 2. the precision seam (FP8 wraps linears here; bf16/fp16/fp32: DeepSpeed casts)
@@ -159,6 +174,8 @@ def build_engine(settings: Settings, precision: Precision, state: ParallelState,
     optimizer = lr_scheduler = None
     own_lr = not scheduler_from_config(ds_config)
     param_groups = _param_groups(module, optim.weight_decay)  # by shape: before any ZeRO-3 partitioning
+    if config.moe and optim.create_moe_param_group:
+        param_groups = expert_param_groups(param_groups)
     if not optimizer_from_config(ds_config):
         kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
         # an FP8 engine may bring its optimizer (MS-AMP: LBAdamW, which steps its FP8 weights)

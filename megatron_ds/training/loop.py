@@ -94,6 +94,31 @@ class LossSinceLastLog:
         return mean, skipped
 
 
+class MoESinceLastLog:
+    """The MoE auxiliary loss (already x --moe-loss-coeff; mean per step) and the token-to-expert assignments
+    dropped for capacity (summed over layers, micro-batches and data-parallel ranks), since the last log line.
+    Kept on the device; read (and averaged over DP) at log points only."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def add(self, aux: torch.Tensor, dropped: torch.Tensor, micro_batches: int) -> None:
+        self.sums[0] += aux.detach().double() / micro_batches
+        self.sums[1] += dropped.detach().double()
+
+    def take(self, steps: int, dp_group, dp_size: int) -> tuple[float, float]:
+        """(aux loss: mean per step and DP rank, tokens dropped: per step, all DP ranks) since the last take."""
+        sums = self.sums.clone()
+        if dp_size > 1:
+            dist.all_reduce(sums, group=dp_group)
+        self.reset()
+        return float(sums[0]) / steps / dp_size, float(sums[1]) / steps
+
+
 class Evaluator:
     """Validation: --eval-iters global batches of the validation set every --eval-interval iterations,
     and once when training ends unless its last iteration was just evaluated.
@@ -255,6 +280,8 @@ class Trainer:
                                    iters=runtime.eval_iters,
                                    metrics=self.metrics)
         self.checkpointer = run.checkpointer
+        self.moe_stats = getattr(self.engine.module, "moe_stats", None)  # None under PP (MoE is refused there)
+        self.moe_since_log = MoESinceLastLog(self.device)
 
     # -- data ---------------------------------------------------------------------------------------------
 
@@ -294,10 +321,16 @@ class Trainer:
             return loss.detach().float().clone()  # averaged over micro-batches and DP, on every stage
         self.engine.train()
         total = torch.zeros((), device=self.device)
+        moe = self.moe_stats
         for tokens, labels in self.own_work.batches(batches):
             loss = self.engine(tokens, labels).mean()
             self.own_work.forward_done()
-            self.engine.backward(loss * self.backward_scale if self.backward_scale != 1.0 else loss)
+            objective = loss
+            if moe:  # as Megatron-DeepSpeed: the LM loss plus --moe-loss-coeff x the layers' summed gate losses
+                aux = moe.aux_loss() * self.config.moe_loss_coeff
+                objective = loss + aux
+                self.moe_since_log.add(aux, moe.tokens_dropped(), len(batches))
+            self.engine.backward(objective * self.backward_scale if self.backward_scale != 1.0 else objective)
             self.engine.step()
             total += loss.detach().float()
         return self._dp_mean(total / len(batches))
@@ -357,9 +390,13 @@ class Trainer:
             per_rank = gather([own, memory_gib()], self.device)
             rank_times = RankTimes([r[0] for r in per_rank]) if self.own_work.enabled else None
             peak_gib = max(r[1] for r in per_rank)  # under PP the first stage's, not the logging rank's
+        steps = losses.steps
         loss, skipped = losses.take(self._skipped_steps())
+        moe_loss = tokens_dropped = None
+        if self.moe_stats:
+            moe_loss, tokens_dropped = self.moe_since_log.take(steps, self.parallel.dp_group, self.parallel.dp_size)
         stats = StepStats(st.iteration, st.consumed_train_samples, loss, lr, self._grad_norm(),
-                          self._loss_scale(), step_time, rank_times, peak_gib)
+                          self._loss_scale(), step_time, rank_times, peak_gib, moe_loss, tokens_dropped)
         self.metrics.log_train(stats, skipped=skipped)
 
     def _compile_stages_ahead(self) -> bool:

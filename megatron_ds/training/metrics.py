@@ -33,7 +33,7 @@ from megatron_ds.env_settings import PEAK_TFLOPS
 from megatron_ds.runtime.stragglers import RankTimes
 
 TRAIN_SCALARS = ("lm_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu",
-                 "mem_gib")
+                 "mem_gib", "moe_loss", "moe_tokens_dropped")
 
 # Dense bf16 peak FLOP/s per device (per GCD for MI250X), by a substring of the device name.
 PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12), ("MI250X", 191.5e12),
@@ -73,6 +73,8 @@ class StepStats:
     step_time_s: float
     rank_times: RankTimes | None = None  # each rank's own work per step (None: one rank, or not measured)
     peak_gib_all_ranks: float | None = None  # the largest rank's peak memory (None: one rank)
+    moe_loss: float | None = None  # MoE: --moe-loss-coeff x the gates' summed loss, mean per step (None: dense)
+    moe_tokens_dropped: float | None = None  # MoE: token-to-expert assignments over capacity per step, all ranks
 
 
 def _finite_or_none(x):
@@ -180,6 +182,8 @@ class MetricsLogger:
             "mfu": mfu,
             "mem_gib": memory_gib(),
         }
+        if s.moe_loss is not None:
+            record.update(moe_loss=s.moe_loss, moe_tokens_dropped=s.moe_tokens_dropped)
         if s.peak_gib_all_ranks is not None:  # what the memory estimate predicts: the fullest rank's peak
             record["mem_gib_max"] = s.peak_gib_all_ranks
         if s.rank_times is not None:
@@ -191,7 +195,7 @@ class MetricsLogger:
 
     def log_train(self, s: StepStats, skipped: int = 0) -> dict:
         record = self.train_record(s)
-        scalars = {f"train/{key}": record[key] for key in TRAIN_SCALARS if record[key] is not None}
+        scalars = {f"train/{key}": record[key] for key in TRAIN_SCALARS if record.get(key) is not None}
         self._to_wandb({**scalars, "train/consumed_samples": s.consumed_samples,
                         "train/lm_loss_vs_samples": s.lm_loss}, s.iteration)
         if not self.enabled:
@@ -204,6 +208,8 @@ class MetricsLogger:
             f"global batch size: {self.global_batch_size:5d}",
             f"lm loss: {s.lm_loss:.6E}",
         ]
+        if s.moe_loss is not None:  # Megatron-DeepSpeed's "moe loss": not part of the lm loss beside it
+            parts += [f"moe loss: {s.moe_loss:.6E}", f"moe tokens dropped: {s.moe_tokens_dropped:.0f}"]
         if s.loss_scale is not None:
             parts.append(f"loss scale: {s.loss_scale:.1f}")
         if s.grad_norm is not None:

@@ -66,6 +66,16 @@ class ModelSettings:
     recompute_method: str | None
     recompute_num_layers: int
     deepspeed_activation_checkpointing: bool
+    num_experts: tuple[int, ...]
+    expert_interval: int
+    topk: int
+    moe_loss_coeff: float
+    moe_train_capacity_factor: float
+    moe_eval_capacity_factor: float
+    moe_min_capacity: int
+    moe_token_dropping: bool
+    moe_top2_2nd_expert_sampling: bool
+    mlp_type: str
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ class LayoutSettings:
     pipeline_model_parallel_size: int
     data_parallel_size: int
     ds_sequence_parallel_size: int
+    moe_expert_parallel_size: int
+    enable_expert_tensor_parallelism: bool
     sequence_parallel: bool
     sequence_parallel_env: bool
     no_pipeline_parallel: bool
@@ -137,6 +149,7 @@ class OptimizerSettings:
     clip_grad: float
     zero_stage: int
     use_distributed_optimizer: bool
+    create_moe_param_group: bool
     override_opt_param_scheduler: bool
     use_checkpoint_opt_param_scheduler: bool
     deepspeed: bool
@@ -266,6 +279,12 @@ def model_config(settings: Settings, padded_vocab_size: int, params_dtype: torch
         recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
         rotary_percent=m.rotary_percent, torch_compile=runtime.torch_compile, tp_comm_overlap=runtime.tp_comm_overlap,
         params_dtype=params_dtype or torch.float32, seed=runtime.seed,
+        num_experts=tuple(m.num_experts or (1,)), expert_interval=m.expert_interval,
+        moe_expert_parallel_size=settings.layout.moe_expert_parallel_size, topk=m.topk,
+        moe_loss_coeff=m.moe_loss_coeff, moe_train_capacity_factor=m.moe_train_capacity_factor,
+        moe_eval_capacity_factor=m.moe_eval_capacity_factor, moe_min_capacity=m.moe_min_capacity,
+        moe_token_dropping=m.moe_token_dropping, moe_top2_2nd_expert_sampling=m.moe_top2_2nd_expert_sampling,
+        mlp_type=m.mlp_type,
     )
 
 

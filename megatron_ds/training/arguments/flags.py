@@ -248,6 +248,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--master-port", type=int, help="overrides MASTER_PORT (default: derived from the job id; a free "
                                                    "port without a launcher)")
 
+    g = p.add_argument_group("mixture of experts", "Megatron-DeepSpeed's MoE flags, through DeepSpeed's MoE layer "
+                             "(docs/training.md#mixture-of-experts)")
+    g.add_argument("--num-experts", type=int, nargs="+", default=[1],
+                   help="experts per expert layer: one number, or one per expert layer (PR-MoE). 1: dense")
+    g.add_argument("--expert-interval", type=int, default=2,
+                   help="layers n (from 1) with n %% interval == 0 carry experts (default 2)")
+    g.add_argument("--moe-expert-parallel-size", type=int, default=1,
+                   help="ranks each layer's experts are spread over, taken from data parallelism (default 1)")
+    g.add_argument("--topk", type=int, default=1, help="experts per token: 1 or 2 (default 1)")
+    g.add_argument("--moe-loss-coeff", type=float, default=0.1,
+                   help="scale of the gates' load-balancing loss added to the LM loss (default 0.1)")
+    g.add_argument("--moe-train-capacity-factor", type=float, default=1.0)
+    g.add_argument("--moe-eval-capacity-factor", type=float, default=1.0)
+    g.add_argument("--moe-min-capacity", type=int, default=4, help="token slots per expert at least (default 4)")
+    g.add_argument("--disable-moe-token-dropping", dest="moe_token_dropping", action="store_false",
+                   help="no capacity limit: every token reaches its experts")
+    g.add_argument("--disable-moe-top2-2nd-expert-sampling", dest="moe_top2_2nd_expert_sampling",
+                   action="store_false", help="top-2: the second expert is the gate's second best, not sampled")
+    g.add_argument("--create-moe-param-group", action="store_true",
+                   help="the experts' parameters in optimizer groups of their own (needed with ZeRO-1/2)")
+    g.add_argument("--mlp-type", choices=["standard", "residual"], default="standard",
+                   help="residual: PR-MoE, a dense MLP beside the experts")
+    g.add_argument("--enable-expert-tensor-parallelism", action="store_true",
+                   help="refused: mds does not split experts over tensor-parallel ranks yet")
+
     g = p.add_argument_group("batch, iterations, schedule")
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--global-batch-size", type=int, help="default: micro batch x data-parallel size (x GAS)")

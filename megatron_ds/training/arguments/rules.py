@@ -44,6 +44,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     _model_shape(args, dims)
     rules_fp8.fp8_shape(args, dims)
     _parallel_features(args)
+    _moe(args, dims)
     rules_fp8.msamp_layout(args, dims)
     _batch(args, dims.dp)
     _schedule(args)
@@ -92,6 +93,9 @@ def _ds_config_agrees(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name}", f"{path} enables {name} but --{name} was not given")
         if in_flags and (ds_file.get(name) or {}).get("enabled") is False:  # options without "enabled" are fine
             raise ConfigError(f"--{name}", f"given, but {path} has {name}.enabled=false")
+    if _enabled(ds_file.get("curriculum_learning")):
+        raise ConfigError("--deepspeed_config", f"{path} enables curriculum_learning, which mds does not run; set "
+                          "its enabled to false (Megatron-DeepSpeed's example configs have it off)")
     stage = (ds_file.get("zero_optimization") or {}).get("stage")
     if stage is not None and int(stage) != args.zero_stage:
         raise ConfigError("--zero-stage", f"{args.zero_stage} disagrees with zero_optimization.stage={stage} in {path}")
@@ -230,6 +234,52 @@ def _parallel_features(args: argparse.Namespace) -> None:
                           "it false")
     if args.no_pipeline_parallel and pp > 1:
         raise ConfigError("--no-pipeline-parallel", f"conflicts with --pipeline-model-parallel-size {pp}")
+
+
+def _moe(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """Mixture of Experts where it runs: the model config's rules (model/moe.py), then the layouts. Expert
+    parallelism is carved out of data parallelism; what mds does not run (yet) is refused, naming the flag."""
+    from megatron_ds.model.moe import MoEConfigError, check_moe, experts_per_layer
+
+    try:
+        check_moe(num_layers=args.num_layers, num_experts=args.num_experts, expert_interval=args.expert_interval,
+                  topk=args.topk, ep_size=args.moe_expert_parallel_size, mlp_type=args.mlp_type,
+                  capacity_factors=(args.moe_train_capacity_factor, args.moe_eval_capacity_factor),
+                  min_capacity=args.moe_min_capacity, loss_coeff=args.moe_loss_coeff)
+    except MoEConfigError as err:
+        raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
+    if max(experts_per_layer(args.num_layers, args.num_experts, args.expert_interval)) <= 1:
+        if args.moe_expert_parallel_size != 1:
+            raise ConfigError("--moe-expert-parallel-size", "needs experts: give --num-experts N (N > 1)")
+        return
+    ep, refuse = args.moe_expert_parallel_size, "with --num-experts > 1"
+    if dims.pp > 1:  # as upstream's MoE scripts: "MoE is not compatible with pipeline parallel"
+        raise ConfigError("--pipeline-model-parallel-size", f"{dims.pp} {refuse}: MoE does not run under pipeline "
+                          "parallelism (Megatron-DeepSpeed neither); use --pipeline-model-parallel-size 1 "
+                          "(--no-pipeline-parallel)")
+    if dims.tp > 1:
+        raise ConfigError("--tensor-model-parallel-size", f"{dims.tp} {refuse}: mds runs experts without tensor "
+                          "parallelism only (yet); use --tensor-model-parallel-size 1 and spread the experts with "
+                          "--moe-expert-parallel-size")
+    if args.enable_expert_tensor_parallelism:
+        raise ConfigError("--enable-expert-tensor-parallelism", "not supported by mds yet (experts are whole MLPs "
+                          "on their expert-parallel rank); drop the flag")
+    if dims.sp > 1:
+        raise ConfigError("--ds-sequence-parallel-size", f"{dims.sp} {refuse}: DeepSpeed-Ulysses with experts is not "
+                          "supported; drop --ds-sequence-parallel-size")
+    if dims.dp % ep:
+        raise ConfigError("--moe-expert-parallel-size", f"{ep} does not divide the data-parallel size {dims.dp} "
+                          "(expert parallelism is carved out of data parallelism)")
+    if args.zero_stage == 3:
+        raise ConfigError("--zero-stage", f"3 {refuse}: DeepSpeed's MoE does not partition experts with ZeRO-3; "
+                          "use --zero-stage 0, 1 or 2")
+    if args.zero_stage in (1, 2) and not args.create_moe_param_group:
+        raise ConfigError("--zero-stage", f"{args.zero_stage} {refuse} needs --create-moe-param-group: DeepSpeed's "
+                          "ZeRO reduces the experts over their own group only when they are in groups of their own")
+    from megatron_ds.precision.fp8 import fp8_requested
+
+    if fp8_requested(args) is not None:
+        raise ConfigError("--fp8-format", f"{refuse}: FP8 experts are not supported; drop the FP8 flags")
 
 
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
@@ -443,6 +493,8 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
 
     if (why := compile_problem(dims.tp)) is not None:
         return why
+    if max(getattr(args, "num_experts", None) or [1]) > 1:
+        return "not with MoE (DeepSpeed's gate reads the experts' capacity on the host in every layer)"
     file_zero = (getattr(args, "ds_config_file", None) or {}).get("zero_optimization") or {}  # set in validate
     if args.zero_stage == 3 and file_zero.get("memory_efficient_linear", False):
         return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
