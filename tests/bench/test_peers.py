@@ -155,6 +155,16 @@ TITAN_LOG = (
     "\x1b[36mtflops: 600.00  \x1b[35mmfu: 60.67%\x1b[39m\n")
 
 
+# printed by upstream Megatron-DeepSpeed 6acc370 itself: a 2-layer model on the CPU through peers.py's translation
+REAL_MDS_LINE = (
+    ' iteration        2/       3 | consumed samples:            4 | consumed tokens:          512 | '
+    'elapsed time per iteration (ms): 1121.5 | learning rate: 3.333E-05 | global batch size:     2 | '
+    'lm loss: 1.084742E+01 | loss scale: 1.0 | actual seqlen:   128 | number of skipped iterations:  '
+    ' 0 | number of nan iterations:   0 | samples per second: 1.783 | tokens per gpu per second (tgs)'
+    ': 228.272 | TFLOPs: 0.00 |'
+)
+
+
 def test_megatron_logs_of_both_peers_parse_to_step_times_losses_and_peak_memory():
     rows = peers.parse_megatron(MDS_LOG)
     assert [r["iteration"] for r in rows] == [1, 2, 3]
@@ -165,6 +175,9 @@ def test_megatron_logs_of_both_peers_parse_to_step_times_losses_and_peak_memory(
         (1, 15.0, 10.93, None), (2, 0.5, 10.8, None)]
     assert peers.FIRST_STEP["megatron-lm"].search(MLM_LOG.splitlines()[0])
     assert not peers.FIRST_STEP["megatron-lm"].search(MLM_LOG.splitlines()[1])
+    real = peers.parse_megatron(REAL_MDS_LINE)
+    assert real == [{"iteration": 2, "step_time_s": pytest.approx(1.1215), "lm_loss": pytest.approx(10.84742),
+                     "mem_gib": None}]
 
 
 def test_torchtitan_log_parses_through_its_colours_with_tps_per_gpu():
