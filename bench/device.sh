@@ -271,7 +271,7 @@ stage_peers() {  # upstream Megatron-DeepSpeed, Megatron-LM (megatron-core) and 
   # rows by default); the peers' pinned wheels and sources come carried in .peers/ (bench/peers/peers.py fetch)
   local peer row rows flags extra
   ds_patches  # our DeepSpeed; the peers get the unpatched wheel in their own site (peers.py setup)
-  extra=--no-apex; case " ${PEERS:-megatron-deepspeed megatron-lm torchtitan} " in *" megatron-deepspeed "*) extra= ;; esac
+  extra=--no-apex; case " ${PEERS:-megatron-deepspeed megatron-lm torchtitan} " in *" megatron-"*) extra= ;; esac
   t "${PEERS_SETUP_LIMIT:-480}" $PYTHON bench/peers/peers.py setup $extra
   for peer in ${PEERS:-megatron-deepspeed megatron-lm torchtitan}; do
     rows=${PEER_ROWS:-gpt13 gpt13_nodrop}

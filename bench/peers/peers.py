@@ -39,6 +39,7 @@ PINS = json.loads((Path(__file__).with_name("pins.json")).read_text())
 CARRY = REPO / ".peers"
 SITE = Path(os.environ.get("MDS_PEERS_SITE", "/tmp/peers_site"))  # installed wheels and built apex, there
 SRC = Path(os.environ.get("MDS_PEERS_SRC", "/tmp/peers_src"))  # unpacked sources, there
+BUILD = REPO / ".peers_build"  # apex's built extensions, there: git-ignored, not carried, kept while the machine is
 RESULTS = REPO / "bench" / "results"
 PEERS = ("megatron-deepspeed", "megatron-lm", "torchtitan")
 WHEEL_TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64"]
@@ -470,6 +471,7 @@ def run(argv: list[str]) -> int:
     else:
         rows = parse_megatron(log)
     peer = {"status": "ok" if code == 0 and rows else "failed", "exit_code": code, "command": cmd,
+            "apex": apex_built(SITE) and (SITE / "apex").is_dir(),
             "startup_s": startup, "summary": summarize(rows, warmup=a.warmup_steps, tokens_per_step=tokens_per_step,
                                                        fpt=fpt, gpus=gpus, peak=peak),
             "steps": rows, "log_tail": log[-4000:]}
@@ -505,6 +507,7 @@ def make_record(a, args, peer: dict, ours: dict | None, *, gpus, fpt, peak, toke
                      "after_steps": a.steps},
             "flops_per_token": fpt, "tokens_per_step": tokens_per_step, "warmup_steps": a.warmup_steps,
             "peer_compile": a.peer_compile if a.peer == "torchtitan" else None, "peer_flags": a.peer_flag,
+            "peer_apex": peer.get("apex"),
             "command": peer["command"], "mds_command": (ours or {}).get("command"),
             "harness_command": [sys.executable] + sys.argv, "environment": environment(),
             "peer_run": peer, "mds_status": (ours or {}).get("status"), "mds_record": ours}
@@ -589,8 +592,9 @@ def _exclude_carry() -> None:
     exclude = (REPO / common.stdout.strip()).resolve() / "info" / "exclude"
     exclude.parent.mkdir(parents=True, exist_ok=True)
     text = exclude.read_text() if exclude.exists() else ""
-    if "/.peers/" not in text.split():
-        exclude.write_text(text + ("" if text.endswith("\n") or not text else "\n") + "/.peers/\n")
+    missing = [x for x in ("/.peers/", "/.peers_build/") if x not in text.split()]
+    if missing:
+        exclude.write_text(text + ("" if text.endswith("\n") or not text else "\n") + "\n".join(missing) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------- setup
@@ -637,16 +641,28 @@ def setup_peers(argv: list[str]) -> int:
     if a.no_apex or not (SRC / "apex").exists():
         return 0
     t0 = time.monotonic()
-    env = dict(os.environ, TORCH_CUDA_ARCH_LIST=os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
-               MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4)))
-    code = subprocess.run([sys.executable, "-c", APEX_BUILD.format(exts=APEX_EXTENSIONS)], cwd=SRC / "apex",
-                          env=env).returncode
-    for so in (SRC / "apex").glob("*.so"):
+    code = 0
+    if not apex_built(BUILD):  # a warm machine keeps BUILD (not carried) from an earlier call
+        env = dict(os.environ, TORCH_CUDA_ARCH_LIST=os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
+                   MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4)))
+        code = subprocess.run([sys.executable, "-c", APEX_BUILD.format(exts=APEX_EXTENSIONS)], cwd=SRC / "apex",
+                              env=env).returncode
+        BUILD.mkdir(parents=True, exist_ok=True)
+        for so in (SRC / "apex").glob("*.so"):
+            shutil.copy2(so, BUILD / so.name)
+    if not apex_built(BUILD):  # no apex at all rather than a package whose kernels fail at the first step
+        print(f"[peers] apex build failed (rc {code}) after {time.monotonic() - t0:.0f} s", flush=True)
+        return code or 1
+    for so in BUILD.glob("*.so"):
         shutil.copy2(so, SITE / so.name)
     shutil.rmtree(SITE / "apex", ignore_errors=True)
     shutil.copytree(SRC / "apex" / "apex", SITE / "apex")
-    print(f"[peers] apex amp_C + fused_layer_norm_cuda built in {time.monotonic() - t0:.0f} s (rc {code})", flush=True)
-    return code
+    print(f"[peers] apex amp_C + fused_layer_norm_cuda ready in {time.monotonic() - t0:.0f} s", flush=True)
+    return 0
+
+
+def apex_built(where: Path) -> bool:
+    return all(any(where.glob(f"{name}*.so")) for name in APEX_EXTENSIONS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -293,3 +293,38 @@ def test_run_drives_a_peer_and_ours_in_one_call_and_writes_the_record(tmp_path):
     assert rec["loss"]["peer"] == pytest.approx(10.7) and rec["loss"]["mds"] is not None
     assert value(rec["command"], "--data-path") == value(rec["mds_command"], "--data-path")
     assert rec["mfu"] is None  # no GPU, no peak
+
+
+def test_apex_build_script_names_only_sources_the_carried_tarball_holds():
+    compile(peers.APEX_BUILD.format(exts=peers.APEX_EXTENSIONS), "apex_build", "exec")
+    tgz = peers.CARRY / "apex.tar.gz"
+    if not tgz.exists():
+        pytest.skip("no .peers/apex.tar.gz (python bench/peers/peers.py fetch makes it)")
+    import tarfile
+    with tarfile.open(tgz) as tar:
+        names = set(tar.getnames())
+    for sources in peers.APEX_EXTENSIONS.values():
+        assert set(sources) <= names, set(sources) - names
+    assert {"apex/__init__.py", "apex/optimizers/fused_adam.py", "apex/normalization/fused_layer_norm.py"} <= names
+
+
+@pytest.mark.skipif(not UPSTREAM, reason="MDS_PEERS_UPSTREAM names no unpacked upstream sources")
+def test_upstream_megatron_deepspeed_trains_beside_ours_on_the_cpu(tmp_path):
+    """The whole `run megatron-deepspeed` on the CPU: upstream's pretrain_gpt.py (MDS_PEERS_UPSTREAM/mds, apex's Python
+    package in MDS_PEERS_UPSTREAM/apex) through the launcher, then our TINY preset on the same dataset. Its data helpers
+    build with `python3 -m pybind11`, and megatron/training.py imports torchvision: PYTHONPATH must give both."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "megatron-deepspeed").symlink_to(Path(UPSTREAM) / "mds")
+    env = dict(os.environ, MDS_PEERS_SRC=str(tmp_path / "src"), MDS_PEERS_SITE=str(Path(UPSTREAM) / "apex"),
+               PYTHONPATH=os.pathsep.join([str(peers.REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(peers.REPO / "bench" / "peers" / "peers.py"), "run", "megatron-deepspeed", "--name",
+           "peers_cpu", "--steps", "3", "--warmup-steps", "1", "--timeout", "240", "--results-dir", str(tmp_path),
+           "--work-dir", str(tmp_path / "work"), "--peer-flag=--no-bias-gelu-fusion",
+           "--peer-flag=--no-bias-dropout-fusion", "--peer-flag=--distributed-backend", "--peer-flag=gloo", "--",
+           "--preset", "TINY", "--micro-batch-size", "2", "--zero-stage", "1"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rec = json.loads((tmp_path / "peers_cpu.json").read_text())
+    assert rec["status"] == rec["mds_status"] == "ok"
+    assert [r["iteration"] for r in rec["peer_run"]["steps"]] == [1, 2, 3]
+    assert abs(rec["loss"]["peer"] - rec["loss"]["mds"]) < 0.5  # random tokens: both near ln(vocab) after 3 steps
