@@ -12,7 +12,11 @@ on). Only the flags listed in TRANSLATED are translated; any other train flag is
 compares runs that differ silently. `--peer-flag F` appends F to the peer's own command (e.g. upstream fallbacks such
 as --no-masked-softmax-fusion); such flags are recorded.
 
-Nothing of the peers is in the repository: .peers/ is git-ignored and made by `fetch`.
+Nothing of the peers is in the repository: .peers/ is git-ignored and made by `fetch` (about 4 MiB); apex's two
+extensions are built on the GPU machine into .peers_build/ (kept while the machine stays warm). Megatron-DeepSpeed
+runs through MEGATRON_DEEPSPEED_LAUNCHER, torchtitan through TORCHTITAN_LAUNCHER (written next to each run's log);
+upstream code runs unchanged. The record (bench/results/NAME.json) holds both sides: tokens/s and MFU by our FLOP
+count, start-up to iteration 1, peak memory, the loss after the same steps on the same data, both commands.
 """
 
 from __future__ import annotations
@@ -442,7 +446,9 @@ def run(argv: list[str]) -> int:
     fpt = flops_per_token(args)
     peak = _peak()
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+               NVSHMEM_DISABLE_NVLS="1")
+    if a.peer.startswith("megatron"):
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what both Megatrons' TP/SP overlap asks for (Megatron-LM checks it)
     env["PYTHONPATH"] = os.pathsep.join(str(x) for x in (SITE, REPO, env.get("PYTHONPATH")) if x)
     cwd = REPO
     if a.peer == "megatron-deepspeed":
