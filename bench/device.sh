@@ -51,6 +51,21 @@ node_layout() {
   esac
 }
 
+# LLaMA-style (SwiGLU, RMSNorm, RoPE, no biases, untied, GQA 8): the shape torchtitan's llama3 shares with ours
+LLAMA="--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear"
+LLAMA="$LLAMA --untie-embeddings-and-output-weights --num-key-value-heads 8"
+peer_row() {  # a row of the peers stage: our train flags ('+compile' in the name: torchtitan's compile on)
+  case $1 in
+    gpt13) echo "$GPT13_16" ;;
+    gpt13_nodrop) echo "$GPT13_16 $NODROP" ;;
+    llama13_nodrop|llama13_nodrop+compile) echo "$GPT13_16 $NODROP $LLAMA --ffn-hidden-size 5504" ;;
+    gpt67_tp2_sp) echo "$GPT67_TP2SP" ;;
+    llama67_tp2_sp_nodrop|llama67_tp2_sp_nodrop+compile) echo "$GPT67_TP2SP $NODROP $LLAMA --ffn-hidden-size 11008" ;;
+    gpt13b_dp4|gpt13b_tp4_sp|gpt13b_tp2_sp_pp2) echo "$GPT13B_NODE $(node_layout "${1#gpt13b_}")" ;;
+    *) echo "no peers row '$1'" >&2; return 1 ;;
+  esac
+}
+
 t() { local limit=$1; shift; echo "+ [$limit s] $*"; timeout "$limit" "$@"; echo "  -> rc $?"; }
 keep() { local n; for n in "$@"; do cp bench/results/"$n"*.json "$OUT"/ 2>/dev/null; done; }  # as each lands
 bundle() {  # $1: a record name, the rest: records of one claim's runs -> one file bench/results/$1.json
@@ -251,6 +266,26 @@ stage_compile_faults() {  # the upstream faults mds works around: compiled c10d 
   ds_patches
   t 280 $PYTHON bench/zero3_compile_probe.py --out "bench/results/zero3_compile_probe_$TAG.json"
   keep "compile_tp_probe_$TAG" "zero3_compile_probe_$TAG"
+}
+
+stage_peers() {  # upstream Megatron-DeepSpeed, Megatron-LM (megatron-core) and torchtitan against mds in one call:
+  # each row of $PEER_ROWS for each of $PEERS, the peer then `entrypoint train` on the same flags and data (one GPU's
+  # rows by default); the peers' pinned wheels and sources come carried in .peers/ (bench/peers/peers.py fetch)
+  local peer row rows flags extra
+  ds_patches  # our DeepSpeed; the peers get the unpatched wheel in their own site (peers.py setup)
+  extra=--no-apex; case " ${PEERS:-megatron-deepspeed megatron-lm torchtitan} " in *" megatron-"*) extra= ;; esac
+  t "${PEERS_SETUP_LIMIT:-480}" $PYTHON bench/peers/peers.py setup $extra
+  for peer in ${PEERS:-megatron-deepspeed megatron-lm torchtitan}; do
+    rows=${PEER_ROWS:-gpt13 gpt13_nodrop}
+    [ "$peer" = torchtitan ] && rows=${PEER_ROWS:-llama13_nodrop llama13_nodrop+compile}
+    for row in $rows; do
+      flags=$(peer_row "${row%+compile}") || continue
+      t "${PEER_RUN_LIMIT:-420}" $PYTHON bench/peers/peers.py run "$peer" --steps "${PEER_STEPS:-20}" \
+        --warmup-steps "${PEER_WARMUP:-5}" --timeout "${PEER_TIMEOUT:-200}" --name "peers_${peer//-/_}_${row/+/_}_$TAG" \
+        $([ "$row" != "${row%+compile}" ] && echo --peer-compile) -- $flags
+      keep "peers_${peer//-/_}_${row/+/_}_$TAG"
+    done
+  done
 }
 
 stage_cpu_tools() {  # CPU only: preprocessing MB/s (1 and 2 workers), index build, TP=2 -> 1 reshard (GPT-350M, 1.3B)
