@@ -268,6 +268,19 @@ stage_compile_faults() {  # the upstream faults mds works around: compiled c10d 
   keep "compile_tp_probe_$TAG" "zero3_compile_probe_$TAG"
 }
 
+stage_moe() {  # DeepSpeed-MoE on 2 GPUs: GPT-350M with 16 experts on every other layer, top-2, expert parallel 2,
+  # against the dense GPT-350M of the same active parameters (FFN 6h: half the layers run two 4h experts) in one call;
+  # MFU on active parameters; one record, moe_$TAG
+  local S="--steps 12 --warmup-steps 4" runs="$LOGS/moe_$TAG"
+  local M="--preset GPT350M --bf16 --micro-batch-size 8 --global-batch-size 64 --zero-stage 1 --nproc-per-node 2"
+  ds_patches
+  rm -rf "$runs"
+  t 240 $B $S --results-dir "$runs" --dp-hint 2 --name gpt350m_dense_ffn6h -- $M --ffn-hidden-size 6144
+  t 240 $B $S --results-dir "$runs" --dp-hint 2 --name gpt350m_moe16_top2_ep2 -- $M --num-experts 16 --topk 2 \
+    --moe-expert-parallel-size 2 --create-moe-param-group
+  bundle "moe_$TAG" "$runs"/*.json
+}
+
 stage_peers() {  # upstream Megatron-DeepSpeed, Megatron-LM (megatron-core) and torchtitan against mds in one call:
   # each row of $PEER_ROWS for each of $PEERS, the peer then `entrypoint train` on the same flags and data (one GPU's
   # rows by default); the peers' pinned wheels and sources come carried in .peers/ (bench/peers/peers.py fetch)
