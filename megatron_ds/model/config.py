@@ -235,6 +235,12 @@ class GPTConfig:
         layer, head = self.forward_flops_per_token()
         return 3.0 * (self.num_layers * layer + head + sum(self._moe_extra(n)[1] for n in self.experts_per_layer))
 
+    def expert_parameters(self) -> int:
+        """Parameters of every expert MLP of every MoE layer (0 for a dense model): the part that expert parallelism
+        divides over its ranks and whose ZeRO state shards over the expert-data-parallel ranks only."""
+        params = self._mlp_sizes()[0]
+        return sum(n * params for n in self.experts_per_layer if n > 1)
+
     def _mlp_sizes(self) -> tuple[int, int]:
         """(parameters, forward FLOPs per token) of one dense MLP."""
         h, f, bias = self.hidden_size, self.ffn_hidden_size, self.add_bias_linear

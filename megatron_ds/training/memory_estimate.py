@@ -47,6 +47,7 @@ class Layout:
     sequence_parallel: bool = False
     recompute: bool = False
     last_stage_layers: int | None = None
+    ep: int = 1  # MoE expert-parallel ranks: each holds 1/ep of every MoE layer's experts
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,9 @@ def _state_bytes_per_parameter(layout: Layout) -> float:
 def estimate(config: GPTConfig, layout: Layout) -> Estimate:
     """The peak of the pipeline stage that needs most (see the module docstring)."""
     t = layout.tp
-    layer_params = (config.num_parameters(include_embeddings=False) - config.hidden_size) / config.num_layers
+    experts = config.expert_parameters()  # whole MLPs on each TP rank; 1/ep of them on each expert-parallel rank
+    layer_params = (config.num_parameters(include_embeddings=False) - config.hidden_size - experts) / config.num_layers
+    expert_state = _state_bytes_per_parameter(replace(layout, dp=max(1, layout.dp // layout.ep)))
     vocab_params = config.vocab_size * config.hidden_size / t
     position_params = (config.max_position_embeddings * config.hidden_size
                        if config.position_embedding_type == "learned_absolute" else 0)
@@ -112,7 +115,9 @@ def estimate(config: GPTConfig, layout: Layout) -> Estimate:
         else:
             acts = in_flight * layers * hidden * per_layer
         logits = tokens * config.vocab_size / t * layout.dtype_bytes if last else 0.0
-        found = Estimate(params * _state_bytes_per_parameter(layout) / GIB, acts / GIB, logits / GIB, stage)
+        expert_params = experts * layers / config.num_layers / layout.ep  # MoE has no PP: one stage holds them all
+        state = params * _state_bytes_per_parameter(layout) + expert_params * expert_state
+        found = Estimate(state / GIB, acts / GIB, logits / GIB, stage)
         if best is None or found.total_gib > best.total_gib:
             best = found
     return best
@@ -178,7 +183,7 @@ def for_settings(settings: Settings) -> tuple[GPTConfig, Layout]:
                     micro_batch=lay.micro_batch_size, micro_batches=lay.gradient_accumulation_steps,
                     dtype_bytes=2 if (settings.precision.bf16 or settings.precision.fp16) else 4,
                     sequence_parallel=bool(lay.sequence_parallel), recompute=model.recompute_granularity == "full",
-                    last_stage_layers=lay.decoder_last_pipeline_num_layers)
+                    last_stage_layers=lay.decoder_last_pipeline_num_layers, ep=lay.moe_expert_parallel_size or 1)
     return config, layout
 
 

@@ -115,3 +115,18 @@ def test_fp8_and_offloaded_runs_are_estimated_but_not_refused(demo_corpus):
         "stage": 1, "offload_optimizer": {"device": "cpu"}}}))
     assert "offload" in memory_estimate.unestimated(offload) and memory_estimate.check_fits(offload, 29.3)
     assert memory_estimate.unestimated(settings) is None
+
+
+def test_expert_parallelism_divides_the_experts_and_shards_their_state_over_the_rest():
+    """MoE (GPT-350M, 16 experts on every other layer): each of EP ranks holds 1/EP of the experts, whose ZeRO state
+    shards over the expert-data-parallel ranks (DP / EP) only; the dense rest as before."""
+    shape = dict(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=2048,
+                 max_position_embeddings=2048, vocab_size=50304)
+    moe = GPTConfig(**shape, num_experts=(16,), topk=2, moe_expert_parallel_size=2)
+    mlp = 2 * 4096 * 1024 + 4096 + 1024  # one expert: fc1 and fc2 with biases
+    assert moe.expert_parameters() == 12 * 16 * mlp and GPTConfig(**shape).expert_parameters() == 0
+    one, two = (estimate(moe, Layout(dp=2, zero_stage=1, micro_batch=8, ep=ep)) for ep in (1, 2))
+    experts = moe.expert_parameters()
+    # EP=1: every expert here, Adam state halved over DP=2 (2 + 2 + 6 bytes); EP=2: half of them, state unsharded
+    assert (one.state_gib - two.state_gib) * 2**30 == pytest.approx(experts * 10 - experts / 2 * 16, rel=1e-9)
+    assert one.activations_gib == two.activations_gib
