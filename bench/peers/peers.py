@@ -639,11 +639,14 @@ def setup_peers(argv: list[str]) -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--upgrade", "--target", str(SITE), *wheels], check=True)
     for name in PINS["sources"]:
-        tgz = CARRY / f"{name}.tar.gz"
-        if tgz.exists():
+        tgz, marker = CARRY / f"{name}.tar.gz", SRC / name / ".mds_pinned_ref"
+        pinned = PINS["sources"][name]["ref"]
+        # a warm machine keeps the tree of an earlier call, and with it a build cut off by that call's time limit
+        if tgz.exists() and not (marker.exists() and marker.read_text() == pinned):
             shutil.rmtree(SRC / name, ignore_errors=True)
             with tarfile.open(tgz) as tar:
                 tar.extractall(SRC / name, filter="data")
+            marker.write_text(pinned)
     if a.no_apex or not (SRC / "apex").exists():
         return 0
     t0 = time.monotonic()
