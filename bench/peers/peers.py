@@ -22,6 +22,7 @@ count, start-up to iteration 1, peak memory, the loss after the same steps on th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -640,13 +641,14 @@ def setup_peers(argv: list[str]) -> int:
                         "--upgrade", "--target", str(SITE), *wheels], check=True)
     for name in PINS["sources"]:
         tgz, marker = CARRY / f"{name}.tar.gz", SRC / name / ".mds_pinned_ref"
-        pinned = PINS["sources"][name]["ref"]
+        pinned = hashlib.sha256(tgz.read_bytes()).hexdigest() if tgz.exists() else ""
         # a warm machine keeps the tree of an earlier call, and with it a build cut off by that call's time limit
         if tgz.exists() and not (marker.exists() and marker.read_text() == pinned):
             shutil.rmtree(SRC / name, ignore_errors=True)
             with tarfile.open(tgz) as tar:
                 tar.extractall(SRC / name, filter="data")
             marker.write_text(pinned)
+    prepare_dataset_helpers()
     if a.no_apex or not (SRC / "apex").exists():
         return 0
     t0 = time.monotonic()
@@ -668,6 +670,21 @@ def setup_peers(argv: list[str]) -> int:
     shutil.copytree(SRC / "apex" / "apex", SITE / "apex")
     print(f"[peers] apex amp_C + fused_layer_norm_cuda ready in {time.monotonic() - t0:.0f} s", flush=True)
     return 0
+
+
+def prepare_dataset_helpers() -> None:
+    """Both Megatrons run `make` on their dataset helpers at start-up. Megatron-LM's goes to the megatron-core wheel,
+    which ships the built helpers_cpp but not the Makefile: put the release's Makefile beside it, the built library
+    newer than its source so that make keeps it. Megatron-DeepSpeed's helpers are rebuilt by its own start-up against
+    the carried pybind11 (an earlier call's build may have used the image's older headers)."""
+    datasets = SITE / "megatron" / "core" / "datasets"
+    makefile = SRC / "megatron-lm" / "megatron" / "core" / "datasets" / "Makefile"
+    if datasets.is_dir() and makefile.exists():
+        shutil.copy2(makefile, datasets / "Makefile")
+        for built in datasets.glob("helpers_cpp*.so"):
+            built.touch()
+    for stale in (SRC / "megatron-deepspeed" / "megatron" / "data").glob("helpers*.so"):
+        stale.unlink()
 
 
 def apex_built(where: Path) -> bool:
