@@ -193,8 +193,12 @@ def megatron_deepspeed_command(args, *, steps: int, data: str, gpus: int, ds_con
 def fallbacks(peer: str, nvcc_major: int | None) -> list[str]:
     """Upstream flags that avoid a build which cannot succeed here. Megatron-DeepSpeed JIT-builds its fused softmax
     with `-gencode arch=compute_70` (megatron/fused_kernels/__init__.py), which CUDA 13's nvcc no longer compiles:
-    --no-masked-softmax-fusion, its own switch to the unfused softmax."""
+    --no-masked-softmax-fusion, its own switch to the unfused softmax. Megatron-LM's local implementation imports
+    scaled_masked_softmax_cuda, an extension that only Megatron-LM's own build or Transformer Engine's image
+    provides (the megatron-core wheel has none): the same switch."""
     if peer == "megatron-deepspeed" and (nvcc_major is None or nvcc_major >= 13):
+        return ["--no-masked-softmax-fusion"]
+    if peer == "megatron-lm":
         return ["--no-masked-softmax-fusion"]
     return []
 

@@ -74,7 +74,8 @@ def test_tp2_sp_and_llama_style_flags_reach_both_megatrons(tmp_path):
 
 def test_fallback_flags_are_upstream_switches_only_where_a_build_cannot_succeed():
     assert peers.fallbacks("megatron-deepspeed", 13) == ["--no-masked-softmax-fusion"]
-    assert peers.fallbacks("megatron-deepspeed", 12) == [] and peers.fallbacks("megatron-lm", 13) == []
+    assert peers.fallbacks("megatron-deepspeed", 12) == [] and peers.fallbacks("torchtitan", 13) == []
+    assert peers.fallbacks("megatron-lm", 12) == ["--no-masked-softmax-fusion"]
 
 
 def test_megatron_lm_without_zero_keeps_its_plain_optimizer():
