@@ -57,6 +57,7 @@ LLAMA="$LLAMA --untie-embeddings-and-output-weights --num-key-value-heads 8"
 peer_row() {  # a row of the peers stage: our train flags ('+compile' in the name: torchtitan's compile on)
   case $1 in
     gpt13) echo "$GPT13_16" ;;
+    gpt13_mbs4|gpt13_mbs4_nodrop) echo "$GPT13 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 $([ "$1" = gpt13_mbs4_nodrop ] && echo "$NODROP")" ;;
     gpt13_nodrop) echo "$GPT13_16 $NODROP" ;;
     llama13_nodrop|llama13_nodrop+compile) echo "$GPT13_16 $NODROP $LLAMA --ffn-hidden-size 5504" ;;
     gpt67_tp2_sp) echo "$GPT67_TP2SP" ;;

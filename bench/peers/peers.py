@@ -680,15 +680,22 @@ def prepare_dataset_helpers() -> None:
     """Both Megatrons run `make` on their dataset helpers at start-up. Megatron-LM's goes to the megatron-core wheel,
     which ships the built helpers_cpp but not the Makefile: put the release's Makefile beside it, the built library
     newer than its source so that make keeps it. Megatron-DeepSpeed's helpers are rebuilt by its own start-up against
-    the carried pybind11 (an earlier call's build may have used the image's older headers)."""
+    here with the carried pybind11 and the system's g++: the GPU image sets CXX to a newer GCC in /opt/gcc whose
+    build of helpers.cpp crashes (SIGSEGV at its first array access) against the system libstdc++ that Python
+    loads; the start-up's `make` then finds it up to date."""
     datasets = SITE / "megatron" / "core" / "datasets"
     makefile = SRC / "megatron-lm" / "megatron" / "core" / "datasets" / "Makefile"
     if datasets.is_dir() and makefile.exists():
         shutil.copy2(makefile, datasets / "Makefile")
         for built in datasets.glob("helpers_cpp*.so"):
             built.touch()
-    for stale in (SRC / "megatron-deepspeed" / "megatron" / "data").glob("helpers*.so"):
-        stale.unlink()
+    helpers = SRC / "megatron-deepspeed" / "megatron" / "data"
+    if helpers.is_dir():
+        for stale in helpers.glob("helpers*.so"):
+            stale.unlink()
+        cxx = os.environ.get("PEERS_CXX") or ("/usr/bin/g++" if Path("/usr/bin/g++").exists() else "g++")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(x) for x in (SITE, os.environ.get("PYTHONPATH")) if x))
+        subprocess.run(["make", "-C", str(helpers), f"CXX={cxx}"], env=env, check=False)
 
 
 def apex_built(where: Path) -> bool:
