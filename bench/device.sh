@@ -60,7 +60,7 @@ peer_row() {  # a row of the peers stage: our train flags ('+compile' in the nam
     gpt13_mbs4|gpt13_mbs4_nodrop) echo "$GPT13 --micro-batch-size 4 --global-batch-size 16 --zero-stage 1 $([ "$1" = gpt13_mbs4_nodrop ] && echo "$NODROP")" ;;
     gpt13_nodrop) echo "$GPT13_16 $NODROP" ;;
     llama13_nodrop|llama13_nodrop+compile) echo "$GPT13_16 $NODROP $LLAMA --ffn-hidden-size 5504" ;;
-    llama13_nodrop_gbs128+compile) echo "$GPT13_16 --global-batch-size 128 $NODROP $LLAMA --ffn-hidden-size 5504" ;;
+    llama13_nodrop_gbs128|llama13_nodrop_gbs128+compile) echo "$GPT13_16 --global-batch-size 128 $NODROP $LLAMA --ffn-hidden-size 5504" ;;
     gpt67_tp2_sp) echo "$GPT67_TP2SP" ;;
     llama67_tp2_sp_nodrop|llama67_tp2_sp_nodrop+compile) echo "$GPT67_TP2SP $NODROP $LLAMA --ffn-hidden-size 11008" ;;
     gpt13b_dp4|gpt13b_tp4_sp|gpt13b_tp2_sp_pp2) echo "$GPT13B_NODE $(node_layout "${1#gpt13b_}")" ;;
