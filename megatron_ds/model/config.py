@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ds.model.moe import MoEConfigError, check_moe, experts_per_layer
+from megatron_ds.model.moe import MoEConfigError, check_moe_of, experts_per_layer
 from megatron_ds.parallel.overlap import MODES as OVERLAP_MODES
 from megatron_ds.torch_support import compile_problem
 
@@ -205,10 +205,7 @@ class GPTConfig:
               f"--tp-comm-overlap {self.tp_comm_overlap} splits the sequence-parallel all-gathers and "
               "reduce-scatters: it needs --sequence-parallel")
         try:
-            check_moe(num_layers=self.num_layers, num_experts=self.num_experts, expert_interval=self.expert_interval,
-                      topk=self.topk, ep_size=self.moe_expert_parallel_size, mlp_type=self.mlp_type,
-                      capacity_factors=(self.moe_train_capacity_factor, self.moe_eval_capacity_factor),
-                      min_capacity=self.moe_min_capacity, loss_coeff=self.moe_loss_coeff)
+            check_moe_of(self)
         except MoEConfigError as err:
             raise ModelConfigError(str(err), err.flag) from None
 

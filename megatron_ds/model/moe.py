@@ -77,6 +77,16 @@ def check_moe(*, num_layers: int, num_experts: Sequence[int], expert_interval: i
         raise MoEConfigError(f"--moe-loss-coeff must be >= 0 (got {loss_coeff})", "--moe-loss-coeff")
 
 
+def check_moe_of(source: object) -> None:
+    """check_moe on the MoE attributes of ``source``: the parsed flags (an argparse namespace) or a GPTConfig, which
+    spell them alike (num_experts, expert_interval, topk, moe_expert_parallel_size, mlp_type,
+    moe_train/eval_capacity_factor, moe_min_capacity, moe_loss_coeff; num_layers)."""
+    check_moe(num_layers=source.num_layers, num_experts=source.num_experts, expert_interval=source.expert_interval,
+              topk=source.topk, ep_size=source.moe_expert_parallel_size, mlp_type=source.mlp_type,
+              capacity_factors=(source.moe_train_capacity_factor, source.moe_eval_capacity_factor),
+              min_capacity=source.moe_min_capacity, loss_coeff=source.moe_loss_coeff)
+
+
 def capacity(tokens: int, num_experts: int, factor: float, topk: int, min_capacity: int) -> int:
     """Token slots per expert when tokens are dropped (DeepSpeed's gate: top-2 doubles the factor)."""
     return max(math.ceil(tokens / num_experts * factor * topk), min_capacity)

@@ -9,7 +9,8 @@ Per GPU, the largest pipeline stage's:
   divided by TP under sequence parallelism, plus the two inputs the compiled TP layers keep gathered: 4 bytes;
   with full recompute, each layer's 16-bit input and one layer's activations; Ulysses: q, k, v and the attention
   output at full sequence, 8 bytes), for each micro-batch a stage holds at once (1F1B: PP - stage), over the
-  tokens of this rank (Ulysses divides the sequence);
+  tokens of this rank (Ulysses divides the sequence); an expert layer adds what DeepSpeed's gated dispatch keeps
+  (``moe_layer_bytes``: the experts run on their capacity's slots instead of the tokens);
 - the output head's logits (16-bit, vocab / TP), on the last stage.
 torch's caching allocator peak (``mem_gib`` of the metrics) is what this predicts; the CUDA context and NCCL's
 buffers come on top (about 1-3 GiB).
@@ -23,6 +24,7 @@ import subprocess
 from dataclasses import dataclass, replace
 
 from megatron_ds.model.config import GPTConfig, pad_vocab_size
+from megatron_ds.model.moe import capacity
 from megatron_ds.parallel.pipeline_split import stage_layers
 from megatron_ds.training.settings import Settings, model_config
 
@@ -82,6 +84,43 @@ def _state_bytes_per_parameter(layout: Layout) -> float:
     return weights + grads + optimizer
 
 
+def moe_layer_bytes(config: GPTConfig, experts: int, tokens: float, dtype_bytes: int) -> float:
+    """Bytes an expert layer of ``experts`` keeps for backward beyond the dense layer's MLP (which the 34 bytes
+    count), for ``tokens`` tokens of one micro-batch on this rank: what autograd saves in DeepSpeed's MoE as installed
+    (deepspeed/moe/sharded_moe.py, whose MOELayer routes sparsely: no [tokens, experts, capacity] dispatch or
+    combine mask is built), counted from its shapes:
+
+    - the gate, in fp32: its GEMM's input (an fp32 copy of the [tokens, h] input, 4h) and weight (a copy in 16-bit
+      runs, once per layer), the softmax probabilities [tokens, experts] (4e); top-1 keeps its one-hot mask in
+      int64 (8e), top-2 the first expert's bool mask and both one-hot masks in fp32 (9e) and four [tokens] fp32
+      vectors (16);
+    - the dispatch: the experts' input [experts, capacity, h] (after the all-to-all under expert parallelism; the
+      buffer before it is not kept) and every expert MLP's activations on its capacity slots, where the dense MLP
+      had them on the tokens: top-2 doubles them, and --moe-min-capacity can raise them; the gather's int64 index
+      per slot (8);
+    - the combine: each of the top-k routes' expert output [k, tokens, h] (weighted by its fp32 gate value in
+      fp32, 4) and its int64 slot (8);
+    - PR-MoE (--mlp-type residual): the dense MLP beside the experts, the two outputs it mixes and their two
+      coefficients.
+    Capacity = max(ceil(tokens / experts x factor x k), --moe-min-capacity), slots = experts x capacity, on every
+    expert-parallel rank alike (it receives capacity slots of each of its experts from each rank). Without token
+    dropping the busiest expert sets the capacity; this counts the balanced load (factor 1), a lower bound.
+    """
+    h, e, k, d = config.hidden_size, experts, config.topk, dtype_bytes
+    mlp = (h + (4 if config.swiglu else 2) * config.ffn_hidden_size) * d  # MLP input, fc1 output(s), fc2 input
+    if config.moe_token_dropping:
+        slots = e * capacity(tokens, e, config.moe_train_capacity_factor, k, config.moe_min_capacity)
+    else:
+        slots = e * capacity(tokens, e, 1.0, k, 0)
+    residual = config.mlp_type == "residual"
+    gate_input = 0 if d == 4 and residual else 4 * h  # fp32: the input itself, which the residual MLP keeps too
+    gate = gate_input + 4 * e + (8 * e if k == 1 else 9 * e + 16)
+    combine = k * (h * d + 4 + 8)
+    beside = mlp + 2 * h * d + 2 * d if residual else 0
+    gate_weight = 4 * e * h if d != 4 else 0  # its fp32 copy, once per layer
+    return tokens * (gate + combine + beside - mlp) + slots * (mlp + 8) + gate_weight
+
+
 def estimate(config: GPTConfig, layout: Layout) -> Estimate:
     """The peak of the pipeline stage that needs most (see the module docstring)."""
     t = layout.tp
@@ -100,8 +139,11 @@ def estimate(config: GPTConfig, layout: Layout) -> Estimate:
     split = stage_layers(config.num_layers, layout.pp, last=layout.last_stage_layers,
                          head_layers=config.head_cost_in_layers())
     best = None
+    moe_extra = [moe_layer_bytes(config, n, tokens, layout.dtype_bytes) if n > 1 else 0.0
+                 for n in config.experts_per_layer]
     for stage, layers in enumerate(split):
         first, last = stage == 0, stage == len(split) - 1
+        stage_moe = moe_extra[sum(split[:stage]):sum(split[:stage + 1])]
         params = layers * layer_params / t
         if first:
             params += vocab_params + position_params
@@ -111,9 +153,9 @@ def estimate(config: GPTConfig, layout: Layout) -> Estimate:
         hidden = tokens * config.hidden_size
         if layout.recompute:  # each layer's input kept, one layer's activations alive at a time
             acts = in_flight * layers * hidden * layout.dtype_bytes / (t if layout.sequence_parallel else 1)
-            acts += hidden * per_layer
+            acts += hidden * per_layer + max(stage_moe, default=0.0)
         else:
-            acts = in_flight * layers * hidden * per_layer
+            acts = in_flight * (layers * hidden * per_layer + sum(stage_moe))
         logits = tokens * config.vocab_size / t * layout.dtype_bytes if last else 0.0
         expert_params = experts * layers / config.num_layers / layout.ep  # MoE has no PP: one stage holds them all
         state = params * _state_bytes_per_parameter(layout) + expert_params * expert_state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,6 @@ def test_alcf_gpt25b_on_four_h200s_is_refused_before_any_gpu_work(tmp_path, demo
 def test_fp8_and_offloaded_runs_are_estimated_but_not_refused(demo_corpus):
     """The 16-bit count overestimates FP8 (GPT-1.3B: 72 against 54 GiB measured) and ZeRO offload, so those runs
     are never refused on it (FP8 itself validates only where a GPU is: its flags are set on a copy here)."""
-    from dataclasses import replace
-
     from megatron_ds.training import memory_estimate
     from megatron_ds.training.arguments import ConfigError, parse_args, validate
 
@@ -130,3 +129,93 @@ def test_expert_parallelism_divides_the_experts_and_shards_their_state_over_the_
     # EP=1: every expert here, Adam state halved over DP=2 (2 + 2 + 6 bytes); EP=2: half of them, state unsharded
     assert (one.state_gib - two.state_gib) * 2**30 == pytest.approx(experts * 10 - experts / 2 * 16, rel=1e-9)
     assert one.activations_gib == two.activations_gib
+
+
+def test_an_expert_layer_adds_the_gate_dispatch_and_combine_it_keeps():
+    """GPT-350M with 16 top-2 experts on every other layer, bf16, 8 x 2048 tokens: each expert layer keeps, beyond
+    the dense MLP, the tensors of DeepSpeed's sparse dispatch listed here from its shapes (sharded_moe.py); the
+    experts' MLP activations come on their capacity's slots (top-2: twice the tokens) instead of the tokens."""
+    from megatron_ds.training.memory_estimate import GIB, moe_layer_bytes
+
+    shape = dict(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=2048,
+                 max_position_embeddings=2048, vocab_size=50304)
+    moe = GPTConfig(**shape, num_experts=(16,), topk=2)
+    s, h, f, e, k = 8 * 2048, 1024, 4096, 16, 2
+    c = 2 * s // e  # ceil(tokens / experts x capacity factor 1 x top-2), above --moe-min-capacity 4
+    kept = [  # (elements, bytes each)
+        (s * h, 4), (e * h, 4),  # the gate GEMM's fp32 input and its fp32 copy of the weight
+        (s * e, 4), (s * e, 1), (2 * s * e, 4),  # the probabilities; top-2: the 1st expert's bool mask, both masks
+        (4 * s, 4),  # the gate values' sums and normalized values
+        (e * c * h, 2), (2 * e * c * f, 2), (e * c, 8),  # experts' input, fc1 output and fc2 input; gather index
+        (k * s * h, 2), (k * s, 4), (k * s, 8),  # each route's expert output, its gate value and its slot
+    ]
+    dense_mlp = s * (h + 2 * f) * 2  # what the 34 bytes count for the MLP the experts replace
+    assert moe_layer_bytes(moe, e, s, 2) == sum(n * b for n, b in kept) - dense_mlp
+
+    layout = Layout(dp=2, zero_stage=1, micro_batch=8)
+    dense = estimate(GPTConfig(**shape), layout)
+    extra = (estimate(moe, layout).activations_gib - dense.activations_gib) * GIB
+    assert extra == pytest.approx(12 * moe_layer_bytes(moe, e, s, 2), rel=1e-9)  # 12 expert layers held at once
+    recompute = replace(layout, recompute=True)  # one layer's activations alive at a time
+    extra = (estimate(moe, recompute).activations_gib - estimate(GPTConfig(**shape), recompute).activations_gib)
+    assert extra * GIB == pytest.approx(moe_layer_bytes(moe, e, s, 2), rel=1e-9)
+    # top-1 at capacity factor 1 keeps about one slot per token; --moe-min-capacity can raise the slots above it
+    top1 = GPTConfig(**shape, num_experts=(16,))
+    assert moe_layer_bytes(top1, e, s, 2) < moe_layer_bytes(moe, e, s, 2) / 3
+    assert moe_layer_bytes(replace(top1, moe_min_capacity=2 * c), e, s, 2) > moe_layer_bytes(moe, e, s, 2)
+
+
+SAVED = """
+import os, sys
+import torch
+import torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo")
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+from megatron_ds.model.config import GPTConfig
+from megatron_ds.model.gpt import GPTModel
+from megatron_ds.training.memory_estimate import moe_layer_bytes
+from megatron_ds.training.moe import moe_mlp_builder
+
+def saved_bytes(model, tokens):
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:  # a tensor once, however many ops save it
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, tokens)
+    return sum(kept.values())
+
+tokens = torch.randint(0, 256, (2, 32))
+for dtype in (torch.float32, torch.bfloat16):
+    for kw in [dict(topk=1), dict(topk=2, moe_min_capacity=40), dict(topk=2, mlp_type="residual")]:
+        shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
+                     params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+        moe = GPTConfig(**shape, num_experts=(4,))  # layer 2 carries the experts
+        measured = (saved_bytes(GPTModel(moe, moe_mlp=moe_mlp_builder(0)).to(dtype), tokens)
+                    - saved_bytes(GPTModel(GPTConfig(**shape)).to(dtype), tokens))
+        print("row", dtype, kw, measured, moe_layer_bytes(moe, 4, 64, dtype.itemsize))
+"""
+
+
+def test_the_expert_layer_term_is_what_autograd_saves_on_cpu(tmp_path):
+    """One forward of our GPT with DeepSpeed's MoE layer on CPU (64 tokens, 4 experts: top-1; top-2 with
+    --moe-min-capacity raising the slots; PR-MoE; fp32 and bf16): the bytes of the tensors saved for backward
+    beyond the dense GPT's, each storage once and the weights left out, are the term, up to 24 bytes (the gate
+    loss's two [experts] fp32 means and the index's pad slot). Expert parallelism keeps the same per rank: the
+    buffer before the all-to-all is not saved (checked by hand with EP=2 under gloo)."""
+    import sys
+
+    from tests.checkpoint.ckpt_helpers import free_port
+    from tests.training.test_train_equivalence import clean_env
+
+    result = subprocess.run([sys.executable, "-c", SAVED, str(free_port())], env=clean_env(), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.rsplit(maxsplit=2) for line in result.stdout.splitlines() if line.startswith("row ")]
+    assert len(rows) == 6, result.stdout
+    for what, measured, predicted in rows:
+        assert 0 <= int(measured) - float(predicted) <= 32, (what, measured, predicted)

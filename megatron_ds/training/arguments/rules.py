@@ -239,13 +239,10 @@ def _parallel_features(args: argparse.Namespace) -> None:
 def _moe(args: argparse.Namespace, dims: ParallelDims) -> None:
     """Mixture of Experts where it runs: the model config's rules (model/moe.py), then the layouts. Expert
     parallelism is carved out of data parallelism; what mds does not run (yet) is refused, naming the flag."""
-    from megatron_ds.model.moe import MoEConfigError, check_moe, experts_per_layer
+    from megatron_ds.model.moe import MoEConfigError, check_moe_of, experts_per_layer
 
     try:
-        check_moe(num_layers=args.num_layers, num_experts=args.num_experts, expert_interval=args.expert_interval,
-                  topk=args.topk, ep_size=args.moe_expert_parallel_size, mlp_type=args.mlp_type,
-                  capacity_factors=(args.moe_train_capacity_factor, args.moe_eval_capacity_factor),
-                  min_capacity=args.moe_min_capacity, loss_coeff=args.moe_loss_coeff)
+        check_moe_of(args)
     except MoEConfigError as err:
         raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
     if max(experts_per_layer(args.num_layers, args.num_experts, args.expert_interval)) <= 1:
