@@ -62,6 +62,7 @@ peer_row() {  # a row of the peers stage: our train flags ('+compile' in the nam
     llama13_nodrop|llama13_nodrop+compile) echo "$GPT13_16 $NODROP $LLAMA --ffn-hidden-size 5504" ;;
     llama13_nodrop_gbs128|llama13_nodrop_gbs128+compile) echo "$GPT13_16 --global-batch-size 128 $NODROP $LLAMA --ffn-hidden-size 5504" ;;
     gpt67_tp2_sp) echo "$GPT67_TP2SP" ;;
+    gpt67_tp2_sp_mbs2) echo "${GPT67_TP2SP/--micro-batch-size 4/--micro-batch-size 2}" ;;
     llama67_tp2_sp_nodrop|llama67_tp2_sp_nodrop+compile) echo "$GPT67_TP2SP $NODROP $LLAMA --ffn-hidden-size 11008" ;;
     gpt13b_dp4|gpt13b_tp4_sp|gpt13b_tp2_sp_pp2) echo "$GPT13B_NODE $(node_layout "${1#gpt13b_}")" ;;
     *) echo "no peers row '$1'" >&2; return 1 ;;
