@@ -342,3 +342,33 @@ def test_upstream_megatron_deepspeed_trains_beside_ours_on_the_cpu(tmp_path):
     assert rec["status"] == rec["mds_status"] == "ok"
     assert [r["iteration"] for r in rec["peer_run"]["steps"]] == [1, 2, 3]
     assert abs(rec["loss"]["peer"] - rec["loss"]["mds"]) < 0.5  # random tokens: both near ln(vocab) after 3 steps
+
+
+def test_dataset_helpers_prepared_for_both_megatrons(tmp_path, monkeypatch):
+    """Megatron-LM's start-up runs `make` where the megatron-core wheel put its built helpers: the release's Makefile
+    lands there and leaves the built library alone. Megatron-DeepSpeed's helpers are rebuilt with the compiler named
+    by PEERS_CXX (the system g++ by default), not the image's CXX."""
+    site, src = tmp_path / "site", tmp_path / "src"
+    monkeypatch.setattr(peers, "SITE", site)
+    monkeypatch.setattr(peers, "SRC", src)
+    built = site / "megatron/core/datasets/helpers_cpp.cpython-312-x86_64-linux-gnu.so"
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"prebuilt")
+    (site / "megatron/core/datasets/helpers.cpp").write_text("// source\n")
+    os.utime(built, (1, 1))  # older than its source: make would rebuild it
+    release = src / "megatron-lm/megatron/core/datasets/Makefile"
+    release.parent.mkdir(parents=True)
+    release.write_text("default: helpers_cpp.cpython-312-x86_64-linux-gnu.so\n"
+                       "helpers_cpp.cpython-312-x86_64-linux-gnu.so: helpers.cpp\n\techo rebuilt > $@\n")
+    data = src / "megatron-deepspeed/megatron/data"
+    data.mkdir(parents=True)
+    (data / "helpers.cpython-312-x86_64-linux-gnu.so").write_text("stale")
+    (data / "Makefile").write_text("default:\n\techo $(CXX) > built_with\n")
+    monkeypatch.setenv("PEERS_CXX", "/opt/system/g++")
+
+    peers.prepare_dataset_helpers()
+
+    subprocess.run(["make", "-s", "-C", str(built.parent)], check=True)
+    assert built.read_bytes() == b"prebuilt"  # the wheel's library kept
+    assert not (data / "helpers.cpython-312-x86_64-linux-gnu.so").exists()
+    assert (data / "built_with").read_text().strip() == "/opt/system/g++"
