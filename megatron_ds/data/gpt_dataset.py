@@ -16,9 +16,12 @@ permutation per epoch, exactly num_samples samples, blending by due times (sampl
 step (k + 1/2)/w_d, one stable argsort).
 
 Megatron builds sample_idx with a compiled loop; here it is ``np.cumsum`` + ``np.searchsorted``,
-a billion-token corpus takes about half a second. The arrays are saved under a name hashed from every
-input that affects them (the order too) and memory-mapped on reuse. One process builds while the others
-wait (rank 0 then a barrier under torch.distributed, a file lock otherwise).
+a billion-token corpus takes about half a second. Its blending index (another compiled loop, a greedy rule
+that is sequential) is run on segments of the steps side by side with numpy, each segment checked against
+the end of the one before (``_greedy_blend``): ten million samples of three datasets in about 0.2 s.
+The arrays are saved under a name hashed from every input that affects them (the order too) and
+memory-mapped on reuse. One process builds while the others wait (rank 0 then a barrier under
+torch.distributed, a file lock otherwise).
 """
 
 from __future__ import annotations
@@ -326,36 +329,141 @@ def megatron_blend_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     """--data-order megatron: Megatron's build_blending_indices (helpers.cpp), equal element for element.
 
     Step by step, with s = max(step, 1), the dataset with the largest w_d * s - count_d serves (the first on
-    ties); weights normalised as Megatron's BlendableDataset does. Which dataset leads changes from step to
-    step, so this is a loop over the samples (the one loop of the index build; about a second per million
-    samples for a few datasets, numpy's argmax per step beyond 8), run once and cached.
+    ties); weights normalised as Megatron's BlendableDataset does. The rule is sequential; ``_greedy_blend``
+    runs it on many segments of the steps at once: about 0.1 s for ten million samples of three datasets
+    (a plain loop: 3-4 s), more where tiny weights keep segments from agreeing (at worst about the loop's time).
     """
     w = np.asarray(weights, dtype=np.float64)
     w = w / np.sum(w)
-    n = len(w)
-    picks = []
-    append = picks.append
-    if n <= 8:
-        wl, counts = w.tolist(), [0] * n  # samples taken from each dataset so far
-        for t in range(size):
-            s = float(t) if t > 1 else 1.0
-            best, best_error = 0, wl[0] * s - counts[0]
-            for d in range(1, n):
-                e = wl[d] * s - counts[d]
-                if e > best_error:
-                    best, best_error = d, e
-            append(best)
-            counts[best] += 1
-    else:
-        counts_array, error = np.zeros(n, np.float64), np.empty(n, np.float64)
-        for t in range(size):
-            np.multiply(w, float(t) if t > 1 else 1.0, out=error)
-            error -= counts_array  # exact: counts are small integers, the products within one of them
-            best = int(error.argmax())  # the first maximum, as the C++ loop's strict >
-            append(best)
-            counts_array[best] += 1
-    dataset_index = np.array(picks, dtype=np.int16).reshape(size)
+    dataset_index = _greedy_blend(w, size)
     return dataset_index, _sample_numbers(dataset_index)
+
+
+def _greedy_blend(w: np.ndarray, size: int, segment: int | None = None, warmup: int = 64,
+                  rounds: int = 16) -> np.ndarray:
+    """Megatron's greedy blending choice for steps 0..size-1 (int16), by segments run side by side.
+
+    Why it is exact. The choice at a step depends only on the step and the counts so far, so a run started from
+    the true counts at some step continues the true sequence. Each step here does what helpers.cpp does, in
+    float64 and in the same order: the product w_d * s rounded, then the count subtracted (an integer, held
+    exactly below 2**53) and rounded, datasets compared in order with a strict > (the first maximum wins),
+    the C++ compiled without fused multiply-adds (x86-64's default, as upstream builds it). Step 0 is
+    Megatron's (s = 1, zero counts: the first largest weight). Steps 1.. are cut into segments of ``segment``
+    steps, run side by side: one numpy operation serves every segment. Segment 0 starts from the true counts;
+    every other from an estimate of its counts ``warmup`` steps before its start. Segment j is kept only when
+    the counts it started with equal those segment j - 1 ended with: by induction from segment 0, the kept
+    segments are the true sequence, whatever the estimates were. A segment not kept runs again from its
+    predecessor's end: side by side while at least 32 are left (``rounds`` such passes at most; each settles
+    at least the first of them), else one by one in a plain loop. The estimates decide the time taken, never
+    the result. They are seldom off for long: the greedy forgets where it started, a run begun from wrong
+    counts joins the true one within a few steps (within about 1/w_d steps where a tiny weight w_d is off),
+    so most segments are kept at once.
+    """
+    n, out = len(w), np.empty(size, np.int16)
+    if size == 0:
+        return out
+    out[0] = first = int(np.argmax(w))  # s = 1, zero counts: the first largest weight
+    rest = size - 1
+    if rest == 0:
+        return out
+    length = segment or max(64, math.isqrt(rest) // 4)
+    warmup = min(warmup, length)
+    m = -(-rest // length)
+    starts = 1 + length * np.arange(m, dtype=np.int64)
+    picks = np.empty((length, m), np.int16)
+    begin, end = np.zeros((n, m)), np.empty((n, m))  # counts at each segment's first step and after its last
+    begin[first, 0] = 1
+    picks[:, :1], _, end[:, :1] = _greedy_segments(w, starts[:1], begin[:, :1], length)
+    if m > 1:
+        estimate = _greedy_estimate(w, starts[1:] - warmup, warmup)
+        picks[:, 1:], begin[:, 1:], end[:, 1:] = _greedy_segments(w, starts[1:] - warmup, estimate, length + warmup,
+                                                                  warmup)
+
+    def unsettled(lo: int) -> np.ndarray:  # segments from lo on whose start differs from their predecessor's end
+        return np.flatnonzero(np.any(begin[:, lo:] != end[:, lo - 1:-1], axis=0)) + lo
+
+    redo, passes = unsettled(1), 0
+    while len(redo):
+        j = int(redo[0])  # segments before j are exact, so is the end of segment j - 1
+        if passes < rounds and len(redo) >= 32:  # all together, each from its predecessor's end
+            passes += 1
+            begin[:, redo] = end[:, redo - 1]
+            picks[:, redo], _, end[:, redo] = _greedy_segments(w, starts[redo], begin[:, redo], length)
+            redo = unsettled(j)
+            continue
+        while j < m and not np.array_equal(begin[:, j], end[:, j - 1]):  # one by one from the first, in a loop
+            begin[:, j] = end[:, j - 1]
+            picks[:, j], end[:, j] = _greedy_loop(w, int(starts[j]), begin[:, j], length)
+            j += 1
+        redo = unsettled(j) if j < m else redo[:0]
+    out[1:] = picks.T.reshape(-1)[:rest]
+    return out
+
+
+def _greedy_segments(w: np.ndarray, starts: np.ndarray, counts: np.ndarray, steps: int,
+                     keep_from: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Megatron's greedy rule for ``steps`` steps from each of ``starts`` (all >= 1, so s = step), side by side.
+
+    counts: (datasets, segments), the counts at the starts. Returns the choices of steps keep_from..
+    (steps - keep_from, segments), the counts at step keep_from and those after the last step.
+    """
+    counts = np.array(counts, dtype=np.float64, order="C")  # a copy: updated below through its flat view
+    n, m = counts.shape
+    first_step = starts.astype(np.float64)
+    picks = np.empty((steps - keep_from, m), np.int16)
+    s, error, best_error = np.empty(m), np.empty(m), np.empty(m)
+    best, larger = np.empty(m, np.int16), np.empty(m, bool)
+    flat, column = counts.reshape(-1), np.arange(m, dtype=np.int64)
+    weights, kept = [float(x) for x in w], None
+    for k in range(steps):
+        if k == keep_from:
+            kept = counts.copy()
+        np.add(first_step, k, out=s)  # exact: steps are integers below 2**53
+        np.multiply(s, weights[0], out=best_error)
+        best_error -= counts[0]
+        best.fill(0)
+        for d in range(1, n):
+            np.multiply(s, weights[d], out=error)
+            error -= counts[d]
+            np.greater(error, best_error, out=larger)  # strict: the first maximum keeps the step
+            np.maximum(best_error, error, out=best_error)
+            np.copyto(best, d, where=larger)
+        if k >= keep_from:
+            picks[k - keep_from] = best
+        flat[best.astype(np.int64) * m + column] += 1
+    return picks, kept, counts
+
+
+def _greedy_loop(w: np.ndarray, start: int, counts: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same rule for one segment in a plain loop (start >= 1): its choices and the counts after it."""
+    weights, taken, picks = [float(x) for x in w], [int(c) for c in counts], []
+    n = len(weights)
+    for t in range(start, start + steps):
+        s = float(t)
+        best, best_error = 0, weights[0] * s - taken[0]
+        for d in range(1, n):
+            e = weights[d] * s - taken[d]
+            if e > best_error:
+                best, best_error = d, e
+        picks.append(best)
+        taken[best] += 1
+    return np.array(picks, np.int16), np.array(taken, np.float64)
+
+
+def _greedy_estimate(w: np.ndarray, steps: np.ndarray, warmup: int) -> np.ndarray:
+    """Counts near the greedy's at each of ``steps``, summing to the step: floor(w_d * step) - 1 (at least 0),
+    the rest handed out by the greedy rule among the datasets that shed one sample too many within about
+    ``warmup`` steps. Too few of a light dataset is soon made up; one too many could stand for 1/w_d steps."""
+    t = steps.astype(np.float64)
+    counts = np.maximum(np.floor(np.multiply.outer(w, t)) - 1, 0)
+    heavy = np.flatnonzero(w >= min(1.0 / max(warmup, 1), w.max()))
+    short = steps - counts.sum(0).astype(np.int64)
+    while (short > 0).any():
+        d = heavy[np.argmax(np.multiply.outer(w[heavy], t) - counts[heavy], axis=0)]
+        columns = np.flatnonzero(short > 0)
+        counts[d[columns], columns] += 1
+        short[columns] -= 1
+    return counts
 
 
 class BlendedDataset:
@@ -396,8 +504,16 @@ class BlendedDataset:
 
 def _sample_numbers(dataset_index: np.ndarray) -> np.ndarray:
     """Each dataset's samples in order: the k-th step naming dataset d serves its sample k."""
-    index = np.asarray(dataset_index, np.int64)
-    counts = np.bincount(index) if len(index) else np.zeros(0, np.int64)
+    index = np.asarray(dataset_index)
+    datasets = int(index.max()) + 1 if len(index) else 0
+    if datasets <= 16:  # a pass per dataset: faster than the sort below for a few datasets
+        numbers = np.empty(len(index), np.int64)
+        for d in range(datasets):
+            taken = index == d
+            numbers[taken] = np.arange(np.count_nonzero(taken), dtype=np.int64)
+        return numbers
+    index = index.astype(np.int64)
+    counts = np.bincount(index)
     order = np.argsort(index, kind="stable")
     numbers = np.empty(len(index), np.int64)
     numbers[order] = np.arange(len(index), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)

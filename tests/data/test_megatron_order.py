@@ -201,3 +201,37 @@ def test_blending_rule_equals_upstream_helper(upstream):
         ours_index, ours_sample = megatron_blend_indices(weights, size)
         assert np.array_equal(ours_index.astype(np.int64), index.astype(np.int64)), weights
         assert np.array_equal(ours_sample, sample), weights
+
+
+def test_blending_rule_equals_upstream_helper_hard_weights(upstream):
+    """Tiny weights, ties, near-ties a few ulps apart, a zero weight, millions of samples: megatron_blend_indices
+    (numpy segments checked against each other) against helpers.build_blending_indices."""
+    from megatron_ds.data.gpt_dataset import megatron_blend_indices
+
+    rng = np.random.default_rng(1)
+    cases = [([0.2, 0.3, 0.5], 5_000_000), ([0.5, 0.5 - 1e-6, 1e-6], 3_000_000)]
+    for trial in range(30):
+        n = int(rng.integers(2, 11))
+        kind = trial % 5
+        if kind == 0:
+            w = rng.random(n) ** 6
+        elif kind == 1:
+            w = rng.random(n)
+            w[rng.integers(n)] = 10 ** rng.uniform(-12, -3)
+        elif kind == 2:
+            w = np.round(rng.random(n) * 4) + 1
+        elif kind == 3:
+            w = np.full(n, rng.random())
+            for d in range(1, n):
+                w[d] = np.nextafter(w[d - 1], 2.0) if rng.random() < 0.7 else w[d - 1]
+        else:
+            w = rng.random(n)
+            w[rng.integers(n)] = 0.0
+        cases.append((w, int(rng.integers(1, 1_500_000))))
+    for weights, size in cases:
+        w = np.asarray(weights, np.float64) / np.sum(weights)
+        index, sample = np.zeros(size, np.uint8), np.zeros(size, np.int64)
+        upstream["helpers"].build_blending_indices(index, sample, w, len(w), size, False)
+        ours_index, ours_sample = megatron_blend_indices(weights, size)
+        assert np.array_equal(ours_index.astype(np.int64), index.astype(np.int64)), (list(weights), size)
+        assert np.array_equal(ours_sample, sample), (list(weights), size)
