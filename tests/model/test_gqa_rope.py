@@ -4,12 +4,20 @@ into the (compiled) layer instead of recomputed in it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.model import attention
+from megatron_ds.model import attention, gpt
 from megatron_ds.model.attention import CoreAttention, sdpa_takes_gqa
-from megatron_ds.torch_support import torch_version
+from megatron_ds.model.config import GPTConfig
+from megatron_ds.model.gpt import GPTModel, TransformerLayer, apply_rotary, rotary_tables
+from megatron_ds.torch_support import compile_problem, torch_version
+
+LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+             seq_length=8, hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa", seed=3,
+             position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=48,
+             untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = 1e-5) -> None:
@@ -17,6 +25,15 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = 
     tol = rel * expected.abs().max().item() + 1e-7
     err = (actual - expected).abs().max().item()
     assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+
+
+def loss_and_grads(config: GPTConfig):
+    model = GPTModel(config)
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1), generator=g)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.mean().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 class SDPACalls:
@@ -100,3 +117,86 @@ def test_core_built_for_gpu_repeats_kv_where_it_runs_on_cpu(monkeypatch):
     close(core(q, k, v), CoreAttention("reference")(q, k, v), "core on CPU vs reference")
     assert calls.calls == [({"dropout_p": 0.0, "is_causal": True}, 6)]
     assert "native_gqa=True" in repr(core)
+
+
+# ------------------------------------------------------------------------------------------------- rotary tables
+
+def previous_rotary_tables(seq_length, head_dim, base, device, first=0):
+    """The tables as the model computed them before: [s, 1, 1, d], both halves of d turning together."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    positions = torch.arange(first, first + seq_length, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    return angles.cos(), angles.sin()
+
+
+def previous_apply_rotary(x, cos, sin):
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+@pytest.mark.parametrize("first", [0, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_the_previous_formulation(first, dtype):
+    x = torch.randn(16, 2, 3, 12, generator=torch.Generator().manual_seed(2)).to(dtype)  # [s, b, n, d]
+    new = apply_rotary(x, *rotary_tables(16, 12, 10000, "cpu", first))
+    old = previous_apply_rotary(x, *previous_rotary_tables(16, 12, 10000, "cpu", first))
+    # the same fp32 products and sums (bitwise equal on torch 2.13's CPU); bf16: at most one rounding step apart
+    close(new.float(), old.float(), f"rotary (first {first}, {dtype})", rel=1e-6 if dtype == torch.float32 else 8e-3)
+    if dtype == torch.float32:
+        close(new.norm(dim=-1), x.norm(dim=-1), "a rotation keeps each head's norm")
+
+
+@pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
+def test_model_gives_the_previous_formulations_loss_and_grads(rotary_percent, monkeypatch):
+    """The LLaMA model with cached tables passed into the layers equals the model that computed them in each layer
+    (the old tables and rotation patched back in), the whole and a partial rotation."""
+    config = GPTConfig(**dict(LLAMA, rotary_percent=rotary_percent))
+    new = loss_and_grads(config)
+    monkeypatch.setattr(gpt, "rotary_tables", previous_rotary_tables)
+    monkeypatch.setattr(gpt, "apply_rotary", previous_apply_rotary)
+    old = loss_and_grads(config)
+    close(new[0], old[0], "loss")
+    for name in new[1]:
+        close(new[1][name], old[1][name], f"grad of {name}")
+
+
+def test_rotary_tables_are_made_once_and_usable_after_inference_mode():
+    a = rotary_tables(8, 4, 10000, "cpu")
+    assert all(x is y for x, y in zip(a, rotary_tables(8, 4, 10000.0, torch.device("cpu"))))
+    assert a[0].shape == (8, 1, 1, 4) and a[0].dtype == torch.float32 and not a[0].requires_grad
+    with torch.inference_mode():  # an evaluation makes the tables first ...
+        cos, sin = rotary_tables(8, 4, 500, "cpu", first=3)
+    x = torch.randn(8, 1, 1, 4, requires_grad=True)
+    apply_rotary(x, cos, sin).sum().backward()  # ... and training saves them for its backward
+    assert x.grad is not None
+    expected = previous_rotary_tables(8, 4, 500, "cpu", first=3)
+    close(cos[..., :2], expected[0][..., :2], "cos", rel=1e-6)
+    close(sin[..., 2:], expected[1][..., 2:], "sin", rel=1e-6)
+    close(-sin[..., :2], expected[1][..., :2], "-sin on the first half", rel=1e-6)
+
+
+@pytest.mark.skipif(compile_problem() is not None, reason="torch.compile of the layers needs torch >= 2.5")
+def test_the_compiled_layer_takes_the_tables_as_inputs():
+    """The layer's (compiled) forward gets cos and sin as arguments: no cos or sin is computed in its graph."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = TransformerLayer(GPTConfig(**LLAMA), 1)
+    eager = layer.body
+    x = torch.randn(LLAMA["seq_length"], 2, LLAMA["hidden_size"], requires_grad=True)
+    expected = layer(x)
+    layer.body = torch.compile(eager, backend=capture)
+    close(layer(x), expected.detach(), "captured layer vs eager")
+    assert len(graphs) == 1
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    assert not {t for t in targets if "cos" in t or "sin" in t}, targets
+    cos, _ = layer.attention.rope(x)
+    inputs = [n.meta.get("example_value") for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    assert sum(isinstance(t, torch.Tensor) and t.shape == cos.shape for t in inputs) == 2  # cos and sin
+    torch._dynamo.reset()
