@@ -449,14 +449,22 @@ class EmbeddingStage(nn.Module):
 
 
 class FinalNorm(nn.Module):
-    """The norm after the last layer. [s, b, h] -> [s, b, h]."""
+    """The norm after the last layer. [s, b, h] -> [s, b, h].
+
+    With ``torch_compile`` an RMSNorm runs compiled, as the layers' norms do: eager it is some eight kernels forward
+    and more backward over fp32 copies of the whole [s, b, h] activation (LayerNorm is one fused kernel either way)."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         self.norm = Norm(config, _checked(config, tp_group))
+        compiled = config.torch_compile and config.normalization == "RMSNorm"
+        self.body = CompiledForward(self._forward) if compiled else self._forward
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)  # through __call__: module hooks (ZeRO-3's gather) see the norm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+        return self.body(hidden)
 
 
 class OutputHead(nn.Module):
