@@ -8,11 +8,17 @@ import torch
 
 from megatron_ds.env_settings import ALLOW_TP_COMPILE, TP_COLLECTIVES
 
+_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch (a constant: compiled code may call it)."""
+    return _VERSION
+
 
 @functools.lru_cache(maxsize=None)
 def _torch_problem() -> str | None:
-    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if (major, minor) < (2, 5):
+    if torch_version() < (2, 5):
         return (f"needs torch >= 2.5 (found {torch.__version__}): one compiled graph shared by every layer needs "
                 "dynamo's inlining of nn modules, and torch 2.1's inductor fails on this layer")
     return None

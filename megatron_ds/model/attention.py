@@ -24,8 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ds.parallel.mappings import heads_to_sequence, sequence_to_heads, tp_size
+from megatron_ds.torch_support import torch_version
 
 BACKENDS = ("auto", "flash2", "sdpa", "reference")
+HALF = (torch.float16, torch.bfloat16)
+GQA_MAX_HEAD_DIM = 256  # the largest head dim that torch's flash kernel (the one after cuDNN) takes
 
 
 def flash_attn_available() -> bool:
@@ -51,6 +54,20 @@ def resolve_backend(requested: str, params_dtype: torch.dtype = torch.bfloat16,
     return requested
 
 
+def sdpa_takes_gqa(params_dtype: torch.dtype, cuda: bool | None = None) -> bool:
+    """Whether the sdpa backend hands k, v over with their nkv heads (``enable_gqa=True``) instead of repeating each
+    one nq / nkv times first: torch >= 2.5 (the keyword), CUDA (not ROCm) on sm80 or newer, bf16/fp16 params.
+
+    There torch's flash and cuDNN kernels read the shared heads themselves, and the repeat costs a copy of k and v
+    at nq heads in the forward (saved for the backward too) and a sum back over each group in the backward. Where
+    neither kernel runs (fp32, older GPUs, ROCm, head dim > 256) SDPA would fall to its math kernel, which builds
+    the s x s scores: its memory-efficient kernel takes no GQA in these torch versions. Those keep the repeat."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if torch_version() < (2, 5) or params_dtype not in HALF or not cuda or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
 def _expand_kv(x: torch.Tensor, groups: int, head_dim: int) -> torch.Tensor:
     """Repeat each kv head ``groups`` times along ``head_dim`` (works on every torch >= 2.1)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=head_dim)
@@ -62,11 +79,16 @@ def _flash2(q, k, v, dropout_p: float) -> torch.Tensor:
     return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
 
 
-def _sdpa(q, k, v, dropout_p: float) -> torch.Tensor:
+def _sdpa(q, k, v, dropout_p: float, native_gqa: bool = False) -> torch.Tensor:
+    """``native_gqa``: k, v keep their nkv heads (see sdpa_takes_gqa); else each is repeated to nq heads."""
     groups = q.size(2) // k.size(2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-    k, v = _expand_kv(k, groups, 1), _expand_kv(v, groups, 1)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True).transpose(1, 2)
+    if groups > 1 and native_gqa and torch_version() >= (2, 5):
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
+    else:
+        k, v = _expand_kv(k, groups, 1), _expand_kv(v, groups, 1)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return out.transpose(1, 2)
 
 
 def _reference(q, k, v, dropout_p: float) -> torch.Tensor:
@@ -85,7 +107,8 @@ _KERNELS = {"flash2": _flash2, "sdpa": _sdpa, "reference": _reference}
 
 
 class CoreAttention(torch.nn.Module):
-    """softmax(q k^T / sqrt(d), causal) v with the backend resolved at construction (``resolved_backend``)."""
+    """softmax(q k^T / sqrt(d), causal) v with the backend resolved at construction (``resolved_backend``), and
+    for sdpa whether grouped-query k, v go in unrepeated (``native_gqa``, see sdpa_takes_gqa)."""
 
     def __init__(self, backend: str = "auto", dropout: float = 0.0, params_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -93,15 +116,21 @@ class CoreAttention(torch.nn.Module):
         self.resolved_backend = resolve_backend(backend, params_dtype)
         self.dropout = dropout
         self._kernel = _KERNELS[self.resolved_backend]
+        self.native_gqa = self.resolved_backend == "sdpa" and sdpa_takes_gqa(params_dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.resolved_backend == "flash2" and not q.is_cuda:
             raise RuntimeError("attention backend flash2 was chosen at build time but the model runs on "
                                f"{q.device}; build with attention_backend='sdpa' for CPU")
-        return self._kernel(q, k, v, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if self.native_gqa:  # the model may still run elsewhere (CPU) or in fp32 (autocast) than it was built for
+            native = q.is_cuda and q.dtype in HALF and q.size(-1) <= GQA_MAX_HEAD_DIM
+            return _sdpa(q, k, v, dropout, native_gqa=native)
+        return self._kernel(q, k, v, dropout)
 
     def extra_repr(self) -> str:
-        return f"backend={self.resolved_backend}, dropout={self.dropout}"
+        gqa = ", native_gqa=True" if self.native_gqa else ""
+        return f"backend={self.resolved_backend}, dropout={self.dropout}{gqa}"
 
 
 def check_ulysses_heads(num_query_heads: int, num_kv_heads: int, sp: int) -> None:

@@ -116,20 +116,34 @@ class Norm(nn.Module):
 
 def rotary_tables(seq_length: int, head_dim: int, base: float, device,
                   first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [s, 1, 1, d] in fp32 for positions first .. first + s - 1 (first > 0: a Ulysses
-    slice), computed per call (cheap; no buffer that a later .bfloat16() could round)."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    positions = torch.arange(first, first + seq_length, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, d], halves rotate together
-    return angles.cos(), angles.sin()
+    """cos, sin of shape [s, 1, 1, d] in fp32 for positions first .. first + s - 1 (first > 0: a Ulysses slice), as
+    ``apply_rotary`` takes them: [cos, cos] and [-sin, sin] over the two halves of d.
+
+    Made once per (s, d, base, device, first) and shared by every layer, which takes them as inputs of its compiled
+    graph: computed inside it, inductor folded them into the rotation, a pow, cos and sin per element of q and of
+    (repeated) k, in the forward and again in the backward. Not a buffer, which a later .bfloat16() would round.
+    Callers must not modify them."""
+    return _rotary_tables(seq_length, head_dim, float(base), torch.device(device), first)
+
+
+@functools.lru_cache(maxsize=64)
+def _rotary_tables(seq_length: int, head_dim: int, base: float, device: torch.device,
+                   first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable by training after an evaluation
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+        positions = torch.arange(first, first + seq_length, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)[:, None, None, :]  # [s, 1, 1, d/2]: pair i turns by angle i
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + d/2]) of x [s, b, n, d] (the GPT-NeoX / LLaMA-HF convention)."""
+    """Rotate pairs (x[i], x[i + d/2]) of x [s, b, n, d] (the GPT-NeoX / LLaMA-HF convention) in fp32, with
+    ``rotary_tables``: x * [cos, cos] + [x2, x1] * [-sin, sin], the same products and sums, element by element, as
+    x * [cos, cos] + [-x2, x1] * [sin, sin]. The halves swap by a roll, an index that inductor folds into the one
+    element-wise kernel; the concatenation [-x2, x1] it may store first as an fp32 copy of x."""
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+    return (xf * cos + xf.roll(x.size(-1) // 2, dims=-1) * sin).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -145,7 +159,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         h, d, tp = config.hidden_size, config.head_dim, tp_size(group)
         q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
-        self.group, self.head_dim = group, d
+        self.group, self.head_dim, self.sequence_parallel = group, d, config.sequence_parallel
         self.local_q_heads = config.num_attention_heads // tp
         self.local_kv_heads = config.num_key_value_heads // tp
         self.rope_base = config.rotary_base if config.position_embedding_type == "rope" else None
@@ -165,8 +179,21 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(self.core_for()(*self.heads(x)))
 
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v as [b, s, heads, d] (rotated under RoPE) from x [s, b, h] (this rank's sequence shard under SP)."""
+    def rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary tables (cos, sin) for ``heads(x)``, None without rope. TransformerLayer looks them up outside
+        its compiled forward and passes them in, so the compiled graph reads them instead of computing them."""
+        if self.rope_base is None:
+            return None
+        s = x.size(0) * (tp_size(self.group) if self.sequence_parallel else 1)  # heads() sees the full sequence
+        first = tp_rank(self.sp_group) * s  # Ulysses: this slice's place in the sequence
+        return rotary_tables(s, self.rotary_dim, self.rope_base, x.device, first)
+
+    def heads(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [b, s, heads, d] (rotated under RoPE) from x [s, b, h] (this rank's sequence shard under SP);
+        ``rope``: ``self.rope(x)``, looked up here when not given."""
+        if self.rope_base is not None and rope is None:
+            rope = self.rope(x)
         qkv = self.qkv(x)  # [s, b, (nq + 2 nkv) / tp * d], full sequence even under SP
         s, b, _ = qkv.shape
         d, nq, nkv = self.head_dim, self.local_q_heads, self.local_kv_heads
@@ -174,8 +201,7 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(s, b, nq, d), k.view(s, b, nkv, d), v.view(s, b, nkv, d)
         if self.rope_base is not None:
             r = self.rotary_dim  # --rotary-percent: only the first r dims of each head rotate
-            first = tp_rank(self.sp_group) * s  # Ulysses: this slice's place in the sequence
-            cos, sin = rotary_tables(s, r, self.rope_base, x.device, first)
+            cos, sin = rope
             q, k = (torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1) if r < d
                     else apply_rotary(t, cos, sin) for t in (q, k))
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -301,12 +327,14 @@ class TransformerLayer(nn.Module):
             return sequence_parallel_dropout(x, self.dropout, self.training, self.group)
         return sequence_parallel_dropout(x, self.dropout, self.training, self.sp_group)  # Ulysses, or plain
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        """``rope``: the attention's rotary tables (cos, sin), or nothing without rope (see ``forward``)."""
         attention = self.attention  # its three steps called from here: see SelfAttention.core_for
-        x = x + self._drop(attention.project(attention.core_for()(*attention.heads(self.input_norm(x)))))
+        heads = attention.heads(self.input_norm(x), rope or None)
+        x = x + self._drop(attention.project(attention.core_for()(*heads)))
         return x + self._drop(self.mlp(self.post_attention_norm(x)))
 
-    def _halves_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _halves_forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
         """``--tp-comm-overlap halves``: the same block on the two halves of the micro batch, in an order that puts
         a GEMM of one half after each collective of the other (the compiler's passes then issue the collective
         early and wait late, parallel/overlap.py): B's first gather beside A's QKV GEMM, A's scatter beside B's
@@ -314,11 +342,11 @@ class TransformerLayer(nn.Module):
         under TP with dropout they run eagerly between two graphs (SelfAttention.core_for), and a graph
         boundary between A's projection and its scatter's consumer would wait for the scatter there."""
         if x.size(1) < 2:  # nothing to split
-            return self._forward(x)
+            return self._forward(x, *rope)
         attention, core = self.attention, self.attention.core_for()
-        xa, xb = x.tensor_split(2, dim=1)
-        qa = attention.heads(self.input_norm(xa))
-        qb = attention.heads(self.input_norm(xb))
+        xa, xb = x.tensor_split(2, dim=1)  # halves of the batch: the same positions, the same tables
+        qa = attention.heads(self.input_norm(xa), rope or None)
+        qb = attention.heads(self.input_norm(xb), rope or None)
         ca, cb = core(*qa), core(*qb)
         ya = xa + self._drop(attention.project(ca))
         yb = xb + self._drop(attention.project(cb))
@@ -336,9 +364,11 @@ class TransformerLayer(nn.Module):
         self.attention.recompute_core = mode == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rope = self.attention.rope(x)  # looked up here, eagerly: the (compiled) body takes the tables as inputs
+        args = (x,) if rope is None else (x, *rope)
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self.body, x, use_reentrant=False)
-        return self.body(x)
+            return checkpoint(self.body, *args, use_reentrant=False)
+        return self.body(*args)
 
 
 def recompute_mode(config: GPTConfig, index: int) -> str | None:
@@ -419,14 +449,22 @@ class EmbeddingStage(nn.Module):
 
 
 class FinalNorm(nn.Module):
-    """The norm after the last layer. [s, b, h] -> [s, b, h]."""
+    """The norm after the last layer. [s, b, h] -> [s, b, h].
+
+    With ``torch_compile`` an RMSNorm runs compiled, as the layers' norms do: eager it is some eight kernels forward
+    and more backward over fp32 copies of the whole [s, b, h] activation (LayerNorm is one fused kernel either way)."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         self.norm = Norm(config, _checked(config, tp_group))
+        compiled = config.torch_compile and config.normalization == "RMSNorm"
+        self.body = CompiledForward(self._forward) if compiled else self._forward
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)  # through __call__: module hooks (ZeRO-3's gather) see the norm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+        return self.body(hidden)
 
 
 class OutputHead(nn.Module):

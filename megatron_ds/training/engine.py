@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.model.config import GPTConfig
-from megatron_ds.model.gpt import GPTModel, TransformerLayer, assign_recompute, gpt_stage_specs, lm_loss
+from megatron_ds.model.gpt import FinalNorm, GPTModel, TransformerLayer, assign_recompute, gpt_stage_specs, lm_loss
 from megatron_ds.parallel.layers import weights_drawn_on
 from megatron_ds.parallel.pipeline_split import stage_layers
 from megatron_ds.parallel.state import ParallelState, local_device_index
@@ -227,11 +227,12 @@ def gather_whole_layers(module: torch.nn.Module) -> None:
     """ZeRO-3 gathers each transformer layer's parameters once at the layer (a DeepSpeed "leaf module"), not at
     each of its norms and linears: the layer body then holds none of ZeRO-3's hooks, which DeepSpeed keeps out of
     torch.compile (each would split a compiled layer into small graphs), and one gather per layer replaces
-    six smaller ones."""
+    six smaller ones. The final norm likewise (compiled too when it is an RMSNorm)."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    if any(isinstance(m, TransformerLayer) for m in module.modules()):
-        set_z3_leaf_modules(module, [TransformerLayer])
+    leaves = [cls for cls in (TransformerLayer, FinalNorm) if any(isinstance(m, cls) for m in module.modules())]
+    if leaves:
+        set_z3_leaf_modules(module, leaves)
 
 
 def unpatched_step_notice(engine) -> str | None:

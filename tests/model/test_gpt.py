@@ -180,6 +180,40 @@ def test_torch_compile_gives_the_eager_model(monkeypatch):
         GPTConfig(**dict(LLAMA, torch_compile=True)).validate(2)
 
 
+def test_compiled_final_rmsnorm_is_the_eager_norm():
+    """--torch-compile runs the final RMSNorm compiled too (eager it is many kernels over fp32 copies), with the
+    eager output and gradients and the same parameter names; LayerNorm (one kernel eager) stays eager."""
+    from megatron_ds.model.compiled import CompiledForward
+    from megatron_ds.model.gpt import FinalNorm
+    from megatron_ds.torch_support import compile_problem
+
+    assert not isinstance(FinalNorm(GPTConfig(**LLAMA)).body, CompiledForward)
+    if compile_problem():
+        return
+    import torch._dynamo
+
+    assert not isinstance(FinalNorm(GPTConfig(**dict(BASE, torch_compile=True))).body, CompiledForward)
+    torch._dynamo.reset()
+    eager, compiled = FinalNorm(GPTConfig(**LLAMA)), FinalNorm(GPTConfig(**dict(LLAMA, torch_compile=True)))
+    assert isinstance(compiled.body, CompiledForward)
+    assert list(compiled.state_dict()) == list(eager.state_dict()) == ["norm.weight"]
+    g = torch.Generator().manual_seed(4)
+    weight = torch.rand(LLAMA["hidden_size"], generator=g) + 0.5
+    with torch.no_grad():
+        for norm in (eager, compiled):
+            norm.norm.weight.copy_(weight)
+    x = torch.randn(LLAMA["seq_length"], 2, LLAMA["hidden_size"], generator=g)
+    grad = torch.randn(x.shape, generator=g)
+    runs = []
+    for norm in (compiled, eager):
+        xi = x.clone().requires_grad_()
+        out = norm(xi)
+        out.backward(grad)
+        runs.append((out.detach(), xi.grad, norm.norm.weight.grad))
+    for what, a, b in zip(("output", "input grad", "weight grad"), *runs):
+        close(a, b, f"compiled final RMSNorm: {what}")
+
+
 def test_compiled_layers_draw_the_eager_dropout_masks(monkeypatch):
     """The layers compile with ATen's dropout (compiled.LAYER_OPTIONS): with dropout on, the compiled model
     gives the eager loss and gradients for the same seed, also when activation checkpointing recomputes the
