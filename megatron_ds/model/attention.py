@@ -62,7 +62,7 @@ def sdpa_takes_gqa(params_dtype: torch.dtype, cuda: bool | None = None) -> bool:
     at nq heads in the forward (saved for the backward too) and a sum back over each group in the backward. Where
     neither kernel runs (fp32, older GPUs, ROCm, head dim > 256) SDPA would fall to its math kernel, which builds
     the s x s scores: its memory-efficient kernel takes no GQA in these torch versions. Those keep the repeat."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0 if cuda is None else cuda
     if torch_version() < (2, 5) or params_dtype not in HALF or not cuda or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability() >= (8, 0)
