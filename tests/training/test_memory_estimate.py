@@ -204,8 +204,9 @@ for dtype in (torch.float32, torch.bfloat16):
 def test_the_expert_layer_term_is_what_autograd_saves_on_cpu(tmp_path):
     """One forward of our GPT with DeepSpeed's MoE layer on CPU (64 tokens, 4 experts: top-1; top-2 with
     --moe-min-capacity raising the slots; PR-MoE; fp32 and bf16): the bytes of the tensors saved for backward
-    beyond the dense GPT's, each storage once and the weights left out, are the term, up to 24 bytes (the gate
-    loss's two [experts] fp32 means and the index's pad slot). Expert parallelism keeps the same per rank: the
+    beyond the dense GPT's, each storage once and the weights left out, are the term, up to 64 bytes of small
+    [experts]-sized tensors (torch 2.13 keeps 24: the gate loss's two fp32 means and the index's pad slot; torch
+    2.1 keeps 40). Expert parallelism keeps the same per rank: the
     buffer before the all-to-all is not saved (checked by hand with EP=2 under gloo)."""
     import sys
 
@@ -218,4 +219,4 @@ def test_the_expert_layer_term_is_what_autograd_saves_on_cpu(tmp_path):
     rows = [line.rsplit(maxsplit=2) for line in result.stdout.splitlines() if line.startswith("row ")]
     assert len(rows) == 6, result.stdout
     for what, measured, predicted in rows:
-        assert 0 <= int(measured) - float(predicted) <= 32, (what, measured, predicted)
+        assert 0 <= int(measured) - float(predicted) <= 64, (what, measured, predicted)
