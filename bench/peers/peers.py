@@ -679,10 +679,10 @@ def setup_peers(argv: list[str]) -> int:
 def prepare_dataset_helpers() -> None:
     """Both Megatrons run `make` on their dataset helpers at start-up. Megatron-LM's goes to the megatron-core wheel,
     which ships the built helpers_cpp but not the Makefile: put the release's Makefile beside it, the built library
-    newer than its source so that make keeps it. Megatron-DeepSpeed's helpers are rebuilt by its own start-up against
-    here with the carried pybind11 and the system's g++: the GPU image sets CXX to a newer GCC in /opt/gcc whose
+    newer than its source so that make keeps it. Megatron-DeepSpeed's helpers are built here, with the carried
+    pybind11 and the system's g++ (PEERS_CXX overrides): the GPU image sets CXX to a newer GCC in /opt/gcc whose
     build of helpers.cpp crashes (SIGSEGV at its first array access) against the system libstdc++ that Python
-    loads; the start-up's `make` then finds it up to date."""
+    loads; the start-up's `make` then finds them up to date."""
     datasets = SITE / "megatron" / "core" / "datasets"
     makefile = SRC / "megatron-lm" / "megatron" / "core" / "datasets" / "Makefile"
     if datasets.is_dir() and makefile.exists():
