@@ -48,22 +48,41 @@ def kernel_time_by_kind(prof, steps: int) -> dict:
     """GPU kernel time per step by kind, and the profiled wall time per step: what the step spends, idle included."""
     from torch.autograd import DeviceType
 
-    kinds: dict[str, float] = {}
-    first, last = float("inf"), 0.0
     spans = []
     for event in prof.events():
         if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
             continue  # a GPU-side annotation (ProcessGroupNCCL's "nccl:all_gather...") spans kernels counted already
-        name = event.name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
-        span = event.time_range
-        kinds[kind] = kinds.get(kind, 0.0) + (span.end - span.start) / 1e3  # us -> ms
-        first, last = min(first, span.start), max(last, span.end)
-        spans.append((span.start, span.end, event.name))
-    per_step = {k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
-    busy = sum(kinds.values()) / steps
-    return {"kernel_ms_per_step": per_step, "kernels_total_ms_per_step": round(busy, 1),
-            "first_to_last_kernel_ms_per_step": round((last - first) / 1e3 / steps, 1), **idle_gaps(spans, steps)}
+        spans.append((event.time_range.start, event.time_range.end, event.name))
+    return kernels_summary(spans, steps)
+
+
+def kernel_time_from_trace(trace: dict, steps: int = 1) -> dict:
+    """kernel_time_by_kind for a Chrome trace another trainer wrote (torchtitan's --profiling): the two sides of a
+    peers row profiled by one rule."""
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""))
+             for e in trace.get("traceEvents", [])
+             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return kernels_summary(spans, steps) if spans else {}
+
+
+def kernels_summary(spans: list[tuple[float, float, str]], steps: int, top: int = 25) -> dict:
+    """Kernel spans (us) -> ms per step by kind, the heaviest kernels by name, the first-to-last span, idle gaps."""
+    kinds: dict[str, float] = {}
+    names: dict[str, list] = {}
+    for start, end, name in spans:
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in name.lower() for key in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + (end - start) / 1e3  # us -> ms
+        entry = names.setdefault(name, [0.0, 0])
+        entry[0] += (end - start) / 1e3
+        entry[1] += 1
+    first, last = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
+    heaviest = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_ms_per_step": {k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "kernels_total_ms_per_step": round(sum(kinds.values()) / steps, 1),
+            "first_to_last_kernel_ms_per_step": round((last - first) / 1e3 / steps, 1),
+            "top_kernels_ms_per_step": [[round(ms / steps, 2), round(n / steps, 1), name[:120]]
+                                        for name, (ms, n) in heaviest],
+            **idle_gaps(list(spans), steps)}
 
 
 def copies_by_caller(prof, steps: int, top: int = 12) -> list:

@@ -249,9 +249,11 @@ def _llama_ffn(dim: int, multiple_of: int) -> int:
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-def torchtitan_command(args, *, steps: int, data: str, gpus: int, compile_on: bool, launcher: Path) -> list[str]:
+def torchtitan_command(args, *, steps: int, data: str, gpus: int, compile_on: bool, launcher: Path,
+                       traces: Path | None = None) -> list[str]:
     """torchtitan's trainer through our launcher (flavor 'mds', our token stream), its CLI for the rest: FSDP over
-    the DP ranks (ZeRO-3-like, its only data-parallel mode besides DDP), its TP (which always shards the sequence)."""
+    the DP ranks (ZeRO-3-like, its only data-parallel mode besides DDP), its TP (which always shards the sequence).
+    ``traces``: its profiler on, step ``steps - 2`` traced there (its schedule: 3 warm-up steps, then one traced)."""
     if args.hidden_dropout or args.attention_dropout:
         raise SystemExit("peers: torchtitan's llama3 has no dropout; give --hidden-dropout 0 --attention-dropout 0")
     if not is_llama(args):
@@ -280,6 +282,9 @@ def torchtitan_command(args, *, steps: int, data: str, gpus: int, compile_on: bo
     else:
         raise SystemExit(f"peers: torchtitan has no {args.lr_decay_style} decay")
     cmd += ["--compile.enable"] if compile_on else ["--compile.no-enable"]
+    if traces is not None:
+        cmd += ["--profiling.enable_profiling", "--profiling.profile_freq", steps - 2,
+                "--profiling.save_traces_folder", traces]
     return _torchrun(gpus) + [str(launcher)] + [str(c) for c in cmd]
 
 
@@ -427,10 +432,15 @@ def run(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--peer-compile", action="store_true", help="torchtitan: --compile.enable")
     p.add_argument("--peer-flag", action="append", default=[], help="appended to the peer's command (recorded)")
+    p.add_argument("--profile", action="store_true",
+                   help="torchtitan: its profiler traces step --steps minus 2; the record gets the kernel time by "
+                        "kind as bench/profile_train.py counts ours (run it --no-ours: profiled steps run slower)")
     p.add_argument("--no-ours", action="store_true", help="the peer alone (no same-call comparison: same_call false)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--work-dir", type=Path, default=Path(os.environ.get("MDS_BENCH_WORK", "/tmp/mds_bench")))
     a = p.parse_args(own)
+    if a.profile and (a.peer != "torchtitan" or a.steps < 6):
+        p.error("--profile is torchtitan's (--profiling) and needs --steps 6 or more")
     check_flags(flags)
     from bench import bench_train
 
@@ -472,7 +482,7 @@ def run(argv: list[str]) -> int:
         launcher = work / "torchtitan_mds.py"
         launcher.write_text(TORCHTITAN_LAUNCHER.format(flavor=repr(torchtitan_flavor(args))))
         cmd = torchtitan_command(args, steps=a.steps, data=data, gpus=gpus, compile_on=a.peer_compile,
-                                 launcher=launcher)
+                                 launcher=launcher, traces=work / "traces" if a.profile else None)
     auto = fallbacks(a.peer, nvcc_major())
     a.peer_flag = auto + [f for f in a.peer_flag if f not in auto]
     cmd += a.peer_flag
@@ -486,6 +496,8 @@ def run(argv: list[str]) -> int:
             "startup_s": startup, "summary": summarize(rows, warmup=a.warmup_steps, tokens_per_step=tokens_per_step,
                                                        fpt=fpt, gpus=gpus, peak=peak),
             "steps": rows, "log_tail": log[-4000:]}
+    if a.profile:
+        peer["profile"] = profiled_kernels(work / "traces")
     ours = None
     if not a.no_ours:
         ns = argparse.Namespace(name=f"{a.name}__mds", steps=a.steps, warmup_steps=a.warmup_steps,
@@ -522,6 +534,16 @@ def make_record(a, args, peer: dict, ours: dict | None, *, gpus, fpt, peak, toke
             "command": peer["command"], "mds_command": (ours or {}).get("command"),
             "harness_command": [sys.executable] + sys.argv, "environment": environment(),
             "peer_run": peer, "mds_status": (ours or {}).get("status"), "mds_record": ours}
+
+
+def profiled_kernels(traces: Path) -> dict:
+    """The kernel time of the peer's profiled step (rank 0's trace), by bench/profile_train.py's kinds."""
+    from bench.profile_train import kernel_time_from_trace
+
+    found = sorted(traces.glob("iteration_*/rank0_trace.json"))
+    if not found:
+        return {"error": f"no trace under {traces}"}
+    return {"trace": str(found[-1]), **kernel_time_from_trace(json.loads(found[-1].read_text()))}
 
 
 def _peak() -> float | None:

@@ -372,3 +372,31 @@ def test_dataset_helpers_prepared_for_both_megatrons(tmp_path, monkeypatch):
     assert built.read_bytes() == b"prebuilt"  # the wheel's library kept
     assert not (data / "helpers.cpython-312-x86_64-linux-gnu.so").exists()
     assert (data / "built_with").read_text().strip() == "/opt/system/g++"
+
+
+def test_torchtitan_profile_traces_one_step_and_is_read_by_our_kernel_kinds(tmp_path):
+    """--profile: torchtitan's profiler traces step steps-2; its Chrome trace (the fields torch.profiler writes) is
+    summed by bench/profile_train.py's kinds, CPU events and GPU annotations left out, idle gaps between kernels."""
+    a = args_for(GPT13 + NODROP + LLAMA)
+    cmd = peers.torchtitan_command(a, steps=12, data="/d", gpus=1, compile_on=True, launcher=tmp_path / "l.py",
+                                   traces=tmp_path / "traces")
+    assert "--profiling.enable_profiling" in cmd and value(cmd, "--profiling.profile_freq") == "10"
+    assert value(cmd, "--profiling.save_traces_folder") == str(tmp_path / "traces")
+    plain = peers.torchtitan_command(a, steps=12, data="/d", gpus=1, compile_on=True, launcher=tmp_path / "l.py")
+    assert not any(c.startswith("--profiling") for c in plain)
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "ts": 100, "dur": 300},
+              {"ph": "X", "cat": "gpu_user_annotation", "name": "nccl:all_reduce", "ts": 100, "dur": 800},
+              {"ph": "X", "cat": "kernel", "name": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "ts": 400,
+               "dur": 200},
+              {"ph": "X", "cat": "kernel", "name": "triton_per_fused_add_mul_rsqrt_0", "ts": 650, "dur": 50},
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 800, "dur": 10}]
+    (tmp_path / "traces" / "iteration_10").mkdir(parents=True)
+    (tmp_path / "traces" / "iteration_10" / "rank0_trace.json").write_text(json.dumps({"traceEvents": events}))
+    got = peers.profiled_kernels(tmp_path / "traces")
+    assert got["kernel_ms_per_step"] == {"gemm": 0.3, "attention": 0.2, "fused elementwise (inductor)": 0.1,
+                                         "copies and fills": 0.0}
+    assert got["first_to_last_kernel_ms_per_step"] == 0.7
+    assert got["idle_ms_per_step"] == pytest.approx(0.15)  # 50 us before the triton kernel, 100 us before the memset
+    assert got["top_kernels_ms_per_step"][0] == [0.3, 1.0, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"]
+    assert peers.profiled_kernels(tmp_path / "none") == {"error": f"no trace under {tmp_path / 'none'}"}
