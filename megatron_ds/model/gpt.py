@@ -260,14 +260,18 @@ class MLP(nn.Module):
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, overlap=config.tp_comm_overlap)
+        # SwiGLU: gate and up from two GEMMs on the fused weight's halves (see ColumnParallelLinear), where the
+        # layer makes one GEMM call (not under the chunked or pipelined TP overlaps)
+        separate = self.swiglu and config.tp_comm_overlap not in ("chunked", "pipeline")
         self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, splits=[f, f] if self.swiglu else None,
-                                        init=_init(config, layer_number, "mlp.fc1"), **common)
+                                        init=_init(config, layer_number, "mlp.fc1"), separate_outputs=separate,
+                                        **common)
         self.fc2 = RowParallelLinear(f, h, init=_init(config, layer_number, "mlp.fc2", scaled=True), **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
+        if self.swiglu:  # an FP8 engine's linear in fc1's place returns the fused output
+            gate, up = y if isinstance(y, tuple) else y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)

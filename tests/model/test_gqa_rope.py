@@ -200,3 +200,23 @@ def test_the_compiled_layer_takes_the_tables_as_inputs():
     inputs = [n.meta.get("example_value") for n in graphs[0].graph.nodes if n.op == "placeholder"]
     assert sum(isinstance(t, torch.Tensor) and t.shape == cos.shape for t in inputs) == 2  # cos and sin
     torch._dynamo.reset()
+
+
+def test_swiglu_takes_gate_and_up_from_two_gemms_on_the_fused_weight():
+    """fc1 returns gate and up as two tensors (two GEMMs on the rows of the one [gate; up] parameter): the MLP's
+    output and gradients are those of one GEMM whose output is chunked, and the checkpoint keeps one fused weight."""
+    cfg = GPTConfig(**LLAMA)
+    mlp = gpt.MLP(cfg, layer_number=1, group=None)
+    x = torch.randn(8, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    assert isinstance(mlp.fc1(x), tuple) and list(mlp.state_dict()) == ["fc1.local.weight", "fc2.local.weight"]
+    y = mlp(x)
+    y.square().sum().backward()
+    got = (y.detach(), x.grad.clone(), mlp.fc1.weight.grad.clone(), mlp.fc2.weight.grad.clone())
+    w1 = mlp.fc1.weight.detach().clone().requires_grad_()
+    w2 = mlp.fc2.weight.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    gate, up = F.linear(x2, w1).chunk(2, dim=-1)
+    y2 = F.linear(F.silu(gate) * up, w2)
+    y2.square().sum().backward()
+    for a, b in zip(got, (y2.detach(), x2.grad, w1.grad, w2.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

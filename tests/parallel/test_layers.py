@@ -94,6 +94,13 @@ def tp2_worker() -> dict:
         y = col(x)
         (y * shard(d["dy_out"], -1, r, SPLITS)).sum().backward()
         out[f"col_{layout(sp, chunked)}"] = (y.detach(), x.grad, grads_of(col))
+        if not chunked:  # one output per chunk, each from its own GEMM (SwiGLU's gate and up)
+            col = ColumnParallelLinear(H_IN, H_OUT, init=col_init(), group=group, splits=SPLITS, sequence_parallel=sp,
+                                       separate_outputs=True)
+            x = (shard(d["x"], 0, r) if sp else d["x"]).clone().requires_grad_()
+            ys = col(x)
+            (torch.cat(ys, -1) * shard(d["dy_out"], -1, r, SPLITS)).sum().backward()
+            out[f"col_separate_sp{sp}"] = ([y.detach() for y in ys], x.grad, grads_of(col))
         # Row-parallel, input our columns, output summed (or reduce-scattered under SP).
         row = RowParallelLinear(H_OUT, H_IN, init=row_init(), group=group, sequence_parallel=sp, overlap=overlap)
         x = shard(d["x_wide"], -1, r).clone().requires_grad_()
@@ -175,6 +182,29 @@ def test_column_parallel_matches_full_linear(tp2, sp, chunked):
         close(dx_r, shard(dx, 0, r) if sp else dx, f"rank {r} input grad")
         close(g["local.weight"], shard(dw, 0, r, SPLITS), f"rank {r} weight grad")
         close(g["local.bias"], shard(db, 0, r, SPLITS), f"rank {r} bias grad")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_column_parallel_separate_outputs_are_the_fused_layers_chunks(tp2, sp):
+    """separate_outputs: one tensor per chunk of the fused weight, each from its own GEMM; together they are the
+    fused layer's output, and the parameter and its gradient are the fused layer's (same checkpoint layout)."""
+    d = inputs()
+    y, dx, dw, db = reference_linear(col_init(), (H_OUT, H_IN), d["x"], d["dy_out"])
+    for r, res in enumerate(tp2):
+        ys, dx_r, g = res[f"col_separate_sp{sp}"]
+        assert [t.shape[-1] for t in ys] == [n // TP for n in SPLITS]
+        close(torch.cat(ys, -1), shard(y, -1, r, SPLITS), f"rank {r} outputs")
+        close(dx_r, shard(dx, 0, r) if sp else dx, f"rank {r} input grad")
+        close(g["local.weight"], shard(dw, 0, r, SPLITS), f"rank {r} weight grad")
+        close(g["local.bias"], shard(db, 0, r, SPLITS), f"rank {r} bias grad")
+
+
+@pytest.mark.parametrize("what", [dict(gather_output=True), dict(overlap="chunked", sequence_parallel=True),
+                                  dict(overlap="pipeline"), dict(splits=None)])
+def test_separate_outputs_is_refused_where_the_layer_is_not_one_gemm_call(what):
+    args = {"init": col_init(), "splits": SPLITS, "separate_outputs": True, **what}
+    with pytest.raises(ValueError, match="separate_outputs"):
+        ColumnParallelLinear(H_IN, H_OUT, **args)
 
 
 def test_column_parallel_gather_output(tp2):
