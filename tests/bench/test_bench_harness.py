@@ -211,3 +211,16 @@ def test_startup_lines_give_build_time_and_what_compiled():
                                   "startup": "launch and imports 9.1 s, process groups 0.4 s, model and engine 34.9 s, "
                                              "data 0.2 s; 44.6 s since `entrypoint` started"}
     assert startup_lines("no start-up lines") == {"build_s": None, "compile": None, "startup": None}
+
+
+def test_swiglu_probe_variants_compute_the_same_mlp_and_write_a_record(tmp_path):
+    """bench/swiglu_probe.py on the CPU: every formulation of the fused-weight SwiGLU MLP (and separate weights) gives
+    the chunked one's input and weight gradients, and the record names each variant's time."""
+    from bench import swiglu_probe
+
+    assert swiglu_probe.main(["--name", "probe", "--iters", "3", "--results-dir", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "probe.json").read_text())
+    assert set(record["variants"]) == {"chunked", "separate_outputs", "interleaved", "separate"}
+    for name, variant in record["variants"].items():
+        assert variant["max_relative_grad_difference"] < 1e-5, name
+        assert variant["ms"] > 0
