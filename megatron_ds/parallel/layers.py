@@ -226,7 +226,7 @@ class ColumnParallelLinear(nn.Module):
     def bias(self) -> nn.Parameter | None:
         return self.local.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.sequence_parallel and self.chunked:
             y = gather_then_gemm(x, self.local, self.group)
         else:
