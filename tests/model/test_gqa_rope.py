@@ -220,3 +220,13 @@ def test_swiglu_takes_gate_and_up_from_two_gemms_on_the_fused_weight():
     y2.square().sum().backward()
     for a, b in zip(got, (y2.detach(), x2.grad, w1.grad, w2.grad)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_stays_one_gemm_where_the_tp_overlap_splits_or_pipelines_it():
+    """Under --tp-comm-overlap chunked (the GEMM split by sequence chunks) and pipeline (torch's fused all-gather +
+    GEMM) fc1 keeps its one GEMM call; every other layout takes gate and up apart."""
+    assert gpt.MLP(GPTConfig(**LLAMA), 1, None).fc1.local.outputs == [48, 48]
+    for mode in ("chunked", "pipeline"):  # set after validation, which asks for the compiled layers (torch >= 2.5)
+        config = GPTConfig(**dict(LLAMA, sequence_parallel=True))
+        config.tp_comm_overlap = mode
+        assert gpt.MLP(config, 1, None).fc1.local.outputs is None, mode
