@@ -148,7 +148,10 @@ class LocalGEMM(nn.Linear):
 
     ``bias_apart``: add the bias after the GEMM instead of inside it (addmm), for torch's asynchronous TP,
     which fuses an all-gather with a plain GEMM only (parallel/overlap.py). ``outputs``: row counts of the weight's
-    chunks; the forward then returns one tensor per chunk, each from its own GEMM (see ColumnParallelLinear)."""
+    chunks; the forward then returns one tensor per chunk, each from its own GEMM (see ColumnParallelLinear). Not
+    for a weight ZeRO-3 partitions (``ds_id``): it frees the gathered weight after the layer's forward and gathers
+    it again for the backward, and autograd would hold the chunk GEMMs' views, the whole gathered weight, in
+    between; there the chunks are cut from the one GEMM's output."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, bias_apart: bool = False,
                  outputs: Sequence[int] | None = None):
@@ -160,6 +163,8 @@ class LocalGEMM(nn.Linear):
         self.outputs = list(outputs) if outputs else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.outputs and hasattr(self.weight, "ds_id"):
+            return super().forward(x).split(self.outputs, dim=-1)
         if self.outputs:
             biases = self.bias.split(self.outputs) if self.bias is not None else [None] * len(self.outputs)
             return tuple(F.linear(x, w, b) for w, b in zip(self.weight.split(self.outputs), biases))

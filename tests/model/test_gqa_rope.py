@@ -230,3 +230,34 @@ def test_swiglu_stays_one_gemm_where_the_tp_overlap_splits_or_pipelines_it():
         config = GPTConfig(**dict(LLAMA, sequence_parallel=True))
         config.tp_comm_overlap = mode
         assert gpt.MLP(config, 1, None).fc1.local.outputs is None, mode
+
+
+def _zero3_mlp_saved_tensors() -> dict:
+    """One rank: an MLP built under deepspeed.zero.Init (ZeRO-3 partitions its weights), run with them gathered;
+    which tensors autograd saves that share the fc1 weight's storage, and the outputs against the plain MLP's."""
+    import deepspeed
+
+    cfg = GPTConfig(**LLAMA)
+    plain = gpt.MLP(cfg, layer_number=1, group=None)
+    with deepspeed.zero.Init(config_dict_or_path={"train_batch_size": 1, "zero_optimization": {"stage": 3}}):
+        mlp = gpt.MLP(cfg, layer_number=1, group=None)
+    x = torch.randn(8, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    saved = []
+    with deepspeed.zero.GatheredParameters(list(mlp.parameters())):
+        mlp.load_state_dict(plain.state_dict())
+        weight = mlp.fc1.weight
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = mlp(x)
+        views = [tuple(t.shape) for t in saved
+                 if t.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() and t.shape != weight.shape]
+        return {"partitioned": hasattr(weight, "ds_id"), "views": views, "y": y.detach(), "plain": plain(x).detach()}
+
+
+def test_zero3_weights_keep_one_gemm_so_no_view_of_the_gathered_weight_is_held():
+    """Under ZeRO-3 fc1 runs its one GEMM (the chunks cut from its output): two GEMMs on views of the gathered
+    weight would make autograd keep the whole weight from the layer's forward to its backward."""
+    from megatron_ds.parallel.testing import run_on_ranks
+
+    (got,) = run_on_ranks(_zero3_mlp_saved_tensors, 1, tp=1)
+    assert got["partitioned"] and got["views"] == []
+    torch.testing.assert_close(got["y"], got["plain"])
