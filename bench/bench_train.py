@@ -30,9 +30,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, SUMMARY_KEYS, environment, median_summary, write_record
+from bench.common import REPO, RESULTS, SUMMARY_KEYS, environment, median_summary, write_record
 
-RESULTS = REPO / "bench" / "results"
 GPT2_VOCAB = 50256  # NullTokenizer adds EOD -> 50257 ids, padded to 50304 like GPT-2's embedding
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"  # every record lands here (cited by bench/RESULTS.md)
 
 # Dense bf16 peak per device (DESIGN.md "Metrics"); MFU is achieved model FLOP/s over this.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "MI250X": 191.5e12}

@@ -22,9 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, environment, write_record
-
-RESULTS = REPO / "bench" / "results"
+from bench.common import REPO, RESULTS, environment, write_record
 
 
 def loss_difference(bf16_steps: list[dict], fp8_steps: list[dict], after: int) -> dict:

@@ -23,9 +23,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, environment, write_record  # noqa: E402
-
-RESULTS = REPO / "bench" / "results"
+from bench.common import RESULTS, environment, write_record  # noqa: E402
 
 
 def chunked(x, w1, w2):

@@ -38,14 +38,13 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import REPO, environment, megatron_flops_per_token, peak_flops, write_record  # noqa: E402
+from bench.common import REPO, RESULTS, environment, megatron_flops_per_token, peak_flops, write_record  # noqa: E402
 
 PINS = json.loads((Path(__file__).with_name("pins.json")).read_text())
 CARRY = REPO / ".peers"
 SITE = Path(os.environ.get("MDS_PEERS_SITE", "/tmp/peers_site"))  # installed wheels and built apex, there
 SRC = Path(os.environ.get("MDS_PEERS_SRC", "/tmp/peers_src"))  # unpacked sources, there
 BUILD = REPO / ".peers_build"  # apex's built extensions, there: git-ignored, not carried, kept while the machine is
-RESULTS = REPO / "bench" / "results"
 PEERS = ("megatron-deepspeed", "megatron-lm", "torchtitan")
 WHEEL_TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64"]
 
