@@ -92,8 +92,8 @@ def moe_layer_bytes(config: GPTConfig, experts: int, tokens: float, dtype_bytes:
 
     - the gate, in fp32: its GEMM's input (an fp32 copy of the [tokens, h] input, 4h) and weight (a copy in 16-bit
       runs, once per layer), the softmax probabilities [tokens, experts] (4e); top-1 keeps its one-hot mask in
-      int64 (8e), top-2 the first expert's bool mask and both one-hot masks in fp32 (9e) and four [tokens] fp32
-      vectors (16);
+      int64 (8e), top-2 both one-hot masks in fp32 (8e; the first expert's bool mask that masks the logits for the
+      second pick is freed with that pick, which has no gradient) and four [tokens] fp32 vectors (16);
     - the dispatch: the experts' input [experts, capacity, h] (after the all-to-all under expert parallelism; the
       buffer before it is not kept) and every expert MLP's activations on its capacity slots, where the dense MLP
       had them on the tokens: top-2 doubles them, and --moe-min-capacity can raise them; the gather's int64 index
@@ -114,7 +114,7 @@ def moe_layer_bytes(config: GPTConfig, experts: int, tokens: float, dtype_bytes:
         slots = e * capacity(tokens, e, 1.0, k, 0)
     residual = config.mlp_type == "residual"
     gate_input = 0 if d == 4 and residual else 4 * h  # fp32: the input itself, which the residual MLP keeps too
-    gate = gate_input + 4 * e + (8 * e if k == 1 else 9 * e + 16)
+    gate = gate_input + 4 * e + (8 * e if k == 1 else 8 * e + 16)
     combine = k * (h * d + 4 + 8)
     beside = mlp + 2 * h * d + 2 * d if residual else 0
     gate_weight = 4 * e * h if d != 4 else 0  # its fp32 copy, once per layer
