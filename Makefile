@@ -7,6 +7,10 @@ PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test / test-torch21 (0: one process). A third of the suite's time is the CPU
+# waiting (process starts, services, timeouts), so two workers pay off even on CI's two cores.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 PY         := $(VENV)/bin/python
 READY      := $(VENV)/.mds-ready
 # The images' DeepSpeed, with the images' patches (patches/deepspeed), in the test venvs too
@@ -31,7 +35,7 @@ demo: $(READY) ## prepare the embedded corpus and train a small GPT on it (CPU o
 	$(PY) -m megatron_ds.demo
 
 test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=... narrows it; README: how to deselect the image builds)
-	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 lint: $(READY) ## ruff over the whole tree (pyproject.toml [tool.ruff]): must report nothing
 	$(VENV)/bin/ruff check .
@@ -134,7 +138,7 @@ test-torch21: oldest-stack-sources ## CPU model/training tests on torch 2.1.2 + 
 	$(TORCH21_PIP) || { echo "test-torch21: pip failed; once more (a registry hiccup?)" >&2; sleep 20; $(TORCH21_PIP); }
 	$(TORCH21_VENV)/bin/python patches/apply deepspeed --installed deepspeed --manifest $(TORCH21_VENV)/patch-manifest.json
 	$(TORCH21_VENV)/bin/python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
-	$(TORCH21_VENV)/bin/python -m pytest $(TORCH21_TESTS) $(TORCH21_DESELECT) $(PYTEST_ARGS)
+	$(TORCH21_VENV)/bin/python -m pytest $(XDIST) $(TORCH21_TESTS) $(TORCH21_DESELECT) $(PYTEST_ARGS)
 
 oldest-stack-sources: .cache/oldest-stack/deepspeed-0.13.1/deepspeed/__init__.py ## fetch DeepSpeed 0.13.1's source for the static oldest-stack checks (.cache/)
 

@@ -20,3 +20,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "docker: builds and runs the image recipes (needs a Docker daemon; the "
                                        "fixture starts dockerd as root when none runs); "
                                        "-m 'not gpu and not upstream_src and not docker' leaves them out")
+
+
+def pytest_collection_modifyitems(config, items):
+    # `make test` runs two pytest-xdist workers (--dist loadgroup). Tests that share something costly stay on one
+    # worker: a service (one Slurm cluster and one dockerd per run, not per worker) or a module-scoped fixture (a
+    # reference training run, built once per module, not once per worker).
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        group = next((service for service in ("slurm", "docker") if service in names), None)
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if group is None and fixtures is not None and any(
+                defs[-1].scope in ("package", "module", "class") for defs in fixtures.name2fixturedefs.values()):
+            group = item.nodeid.split("::")[0]
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
