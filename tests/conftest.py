@@ -16,7 +16,7 @@ def demo_corpus():
 
 def pytest_configure(config):
     # Tests that need a piece of the system fail, naming it, when it is missing; deselecting them by marker
-    # is the one way to leave them out, and pytest reports how many were deselected.
+    # is the one way to leave them out, and pytest (run as one process) reports how many were deselected.
     config.addinivalue_line("markers", "docker: builds and runs the image recipes (needs a Docker daemon; the "
                                        "fixture starts dockerd as root when none runs); "
                                        "-m 'not gpu and not upstream_src and not docker' leaves them out")
