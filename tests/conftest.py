@@ -1,4 +1,5 @@
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +17,7 @@ def demo_corpus():
 
 def pytest_configure(config):
     # Tests that need a piece of the system fail, naming it, when it is missing; deselecting them by marker
-    # is the one way to leave them out, and pytest (run as one process) reports how many were deselected.
+    # is the one way to leave them out, and pytest reports how many were deselected (under xdist too, below).
     config.addinivalue_line("markers", "docker: builds and runs the image recipes (needs a Docker daemon; the "
                                        "fixture starts dockerd as root when none runs); "
                                        "-m 'not gpu and not upstream_src and not docker' leaves them out")
@@ -35,3 +36,26 @@ def pytest_collection_modifyitems(config, items):
             group = item.nodeid.split("::")[0]
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+_DESELECTED: list[str] = []
+
+
+def pytest_deselected(items):
+    _DESELECTED.extend(item.nodeid for item in items)
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller writes the summary line
+        workeroutput["deselected"] = list(_DESELECTED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    # Every worker collects and deselects the same tests: the controller counts them once, so the summary line
+    # says "N deselected" as one pytest process does (what a -m leaves out stays visible).
+    reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+    deselected = getattr(node, "workeroutput", {}).get("deselected", [])
+    if reporter is not None and deselected and not reporter.stats.get("deselected"):
+        reporter.stats["deselected"] = [SimpleNamespace(nodeid=nodeid) for nodeid in deselected]  # report-like

@@ -40,6 +40,22 @@ def test_make_test_sets_the_system_up_before_pytest():
     assert setup < pytest_run
 
 
+def test_two_workers_count_the_deselected_tests_like_one_process():
+    """`make test` runs two pytest-xdist workers: the summary line still says how many tests the markers left out
+    (tests/gpu: all of them, on a machine without the -m gpu selection)."""
+    import sys
+
+    counts = []
+    for workers in ("0", "2"):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-n", workers, "--dist", "loadgroup", "-q",
+                                 "-p", "no:cacheprovider", "tests/gpu"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+        summary = result.stdout.strip().splitlines()[-1]
+        assert result.returncode == 5, result.stdout[-2000:] + result.stderr[-2000:]  # 5: nothing ran
+        counts.append(int(re.search(r"(\d+) deselected", summary).group(1)))
+    assert counts[0] == counts[1] > 0, counts
+
+
 def test_ci_runs_only_the_make_targets():
     """No apt-get, no daemon started in CI's script: whatever CI needs, `make test` does on any machine."""
     text = (ROOT / ".ci" / "run").read_text()
