@@ -163,9 +163,9 @@ class LocalGEMM(nn.Linear):
         self.outputs = list(outputs) if outputs else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if self.outputs and hasattr(self.weight, "ds_id"):
-            return super().forward(x).split(self.outputs, dim=-1)
         if self.outputs:
+            if hasattr(self.weight, "ds_id"):  # ZeRO-3 (see above): one GEMM, its output cut
+                return super().forward(x).split(self.outputs, dim=-1)
             biases = self.bias.split(self.outputs) if self.bias is not None else [None] * len(self.outputs)
             return tuple(F.linear(x, w, b) for w, b in zip(self.weight.split(self.outputs), biases))
         if self.bias_apart and self.bias is not None:
