@@ -167,8 +167,11 @@ class SelfAttention(nn.Module):
         self.recompute_core = False  # set by assign_recompute (selective granularity)
         common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, overlap=config.tp_comm_overlap)
+        # q, k and v from three GEMMs on the fused weight's rows, as SwiGLU's gate and up (see ColumnParallelLinear)
+        separate = config.tp_comm_overlap not in ("chunked", "pipeline")
         self.qkv = ColumnParallelLinear(h, q_size + 2 * kv_size, splits=[q_size, kv_size, kv_size],
-                                        init=_init(config, layer_number, "attention.qkv"), **common)
+                                        init=_init(config, layer_number, "attention.qkv"), separate_outputs=separate,
+                                        **common)
         self.core = CoreAttention(config.attention_backend, config.attention_dropout, config.params_dtype)
         self.sp_group = sp_group if tp_size(sp_group) > 1 else None
         if self.sp_group is not None:
@@ -194,10 +197,11 @@ class SelfAttention(nn.Module):
         ``rope``: ``self.rope(x)``, looked up here when not given."""
         if self.rope_base is not None and rope is None:
             rope = self.rope(x)
-        qkv = self.qkv(x)  # [s, b, (nq + 2 nkv) / tp * d], full sequence even under SP
-        s, b, _ = qkv.shape
+        qkv = self.qkv(x)  # [s, b, (nq + 2 nkv) / tp * d] or its three parts, full sequence even under SP
         d, nq, nkv = self.head_dim, self.local_q_heads, self.local_kv_heads
-        q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+        # an FP8 engine's linear in qkv's place returns the fused output
+        q, k, v = qkv if isinstance(qkv, tuple) else qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+        s, b = q.shape[:2]
         q, k, v = q.view(s, b, nq, d), k.view(s, b, nkv, d), v.view(s, b, nkv, d)
         if self.rope_base is not None:
             r = self.rotary_dim  # --rotary-percent: only the first r dims of each head rotate
