@@ -222,14 +222,37 @@ def test_swiglu_takes_gate_and_up_from_two_gemms_on_the_fused_weight():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_swiglu_stays_one_gemm_where_the_tp_overlap_splits_or_pipelines_it():
+def test_attention_takes_q_k_v_from_three_gemms_on_the_fused_weight():
+    """qkv returns q, k and v as three tensors (three GEMMs on the rows of the one fused parameter): the rotated
+    heads and their gradients are those of one GEMM whose output is split, and the checkpoint keeps one weight."""
+    attention = gpt.SelfAttention(GPTConfig(**LLAMA), layer_number=1, group=None)
+    x0 = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0))
+    assert isinstance(attention.qkv(x0), tuple)
+    assert list(attention.state_dict()) == ["qkv.local.weight", "proj.local.weight"]
+
+    def heads_and_grads():
+        x = x0.clone().requires_grad_()
+        attention.zero_grad()
+        heads = attention.heads(x)
+        sum(h.square().sum() for h in heads).backward()
+        return [h.detach() for h in heads] + [x.grad, attention.qkv.weight.grad.clone()]
+
+    three = heads_and_grads()
+    attention.qkv.local.outputs = None  # one GEMM, its output split in heads()
+    for a, b in zip(three, heads_and_grads(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_qkv_and_swiglu_stay_one_gemm_where_the_tp_overlap_splits_or_pipelines_it():
     """Under --tp-comm-overlap chunked (the GEMM split by sequence chunks) and pipeline (torch's fused all-gather +
-    GEMM) fc1 keeps its one GEMM call; every other layout takes gate and up apart."""
+    GEMM) qkv and fc1 keep their one GEMM call; every other layout takes their parts apart."""
     assert gpt.MLP(GPTConfig(**LLAMA), 1, None).fc1.local.outputs == [48, 48]
+    assert gpt.SelfAttention(GPTConfig(**LLAMA), 1, None).qkv.local.outputs == [32, 16, 16]
     for mode in ("chunked", "pipeline"):  # set after validation, which asks for the compiled layers (torch >= 2.5)
         config = GPTConfig(**dict(LLAMA, sequence_parallel=True))
         config.tp_comm_overlap = mode
         assert gpt.MLP(config, 1, None).fc1.local.outputs is None, mode
+        assert gpt.SelfAttention(config, 1, None).qkv.local.outputs is None, mode
 
 
 def _zero3_mlp_saved_tensors() -> dict:
