@@ -171,7 +171,7 @@ def test_repository_series_are_well_formed_and_pinned():
 def test_deepspeed_series_is_applied_to_the_installed_release():
     """The pinned DeepSpeed is the one in this environment, patched by `make setup` as the images patch theirs:
     every patch of the series is found applied (that the series applies to the pristine release is checked by
-    tests/images/test_deepspeed_bf16_patch.py, which reverses and reapplies it)."""
+    tests/images/test_deepspeed_patches.py, which reverses and reapplies it)."""
     import deepspeed
 
     apply = load_apply()

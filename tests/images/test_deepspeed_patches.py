@@ -1,6 +1,6 @@
 """patches/deepspeed/0002-0004: bf16 optimizer steps without host reads of the gradient norm, and (0004, with
-megatron_ds's AdamW) from the flat bf16 gradient to both weights in one kernel; 0007: ZeRO-1 with one
-data-parallel rank copies each gradient once.
+megatron_ds's AdamW) from the flat bf16 gradient to both weights in one kernel; 0005: the norm's mask; 0007: ZeRO-1
+with one data-parallel rank copies each gradient once; 0008: the MoE gates' token cumsum along the contiguous dim.
 
 The patched step must be the same step: a real DeepSpeed bf16 engine (one gloo process, torch's fused
 AdamW, clipping active) gives the same weights with and without the patches, for each optimizer DeepSpeed
@@ -238,3 +238,40 @@ def test_norm_mask_gives_deepspeeds_values(plain_site, patched_site, tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         results.append(next(line for line in run.stdout.splitlines() if line.startswith("RESULT ")))
     assert results[0] == results[1] == "RESULT [1.5, -1.0, -1.0, -1.0, 0.0]"
+
+
+GATES = r"""
+import json, torch
+from deepspeed.moe.sharded_moe import top1gating, top2gating, topkgating
+torch.manual_seed(0)
+logits = torch.randn(300, 8)  # 300 tokens, 8 experts: capacity 38 (top-1) drops some of the busiest expert's tokens
+def plain(t):
+    return t.tolist() if isinstance(t, torch.Tensor) else t
+out = {}
+for drop in (True, False):
+    for sparse in (False, True):
+        out[f"top1 {drop} {sparse}"] = [plain(t) for t in top1gating(logits.clone(), 1.0, 4, drop_tokens=drop,
+                                                                     sparse_routes=sparse)]
+        out[f"top2 {drop} {sparse}"] = [plain(t) for t in top2gating(logits.clone(), 1.0, 4, drop_tokens=drop,
+                                                                     top2_2nd_expert_sampling=False,
+                                                                     sparse_routes=sparse)]
+        out[f"top3 {drop} {sparse}"] = [plain(t) for t in topkgating(logits.clone(), 3, 1.0, 4, drop_tokens=drop,
+                                                                     sparse_routes=sparse)]
+    out[f"kept {drop}"] = int(top1gating(logits.clone(), 1.0, 4, drop_tokens=drop)[2].sum())  # dispatched tokens
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_moe_gates_place_every_token_where_deepspeed_does(plain_site, patched_site, tmp_path):
+    """patches/deepspeed 0008: top-1, top-2 and top-k gating, with and without token dropping and sparse routes,
+    give DeepSpeed's gate loss, capacity, dispatch and combine weights (or routes) exactly, tokens dropped included
+    (that the scan is faster is bench/RESULTS.md's MoE row)."""
+    results = []
+    for site in (plain_site, patched_site):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+        run = subprocess.run([sys.executable, "-c", GATES], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results.append(json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:]))
+    assert len(results[0]) == 14 and results[0] == results[1]
+    assert results[0]["kept False"] == 300 and results[0]["kept True"] < 300  # the capacity cut dropped tokens
