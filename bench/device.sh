@@ -273,9 +273,9 @@ stage_compile_faults() {  # the upstream faults mds works around: compiled c10d 
 
 stage_moe() {  # DeepSpeed-MoE on 2 GPUs: GPT-350M with 16 experts on every other layer, top-2, expert parallel 2,
   # against the dense GPT-350M of the same active parameters (FFN 6h: half the layers run two 4h experts) in one call;
-  # MFU on active parameters; one record, moe_$TAG
+  # MFU on active parameters; one record, moe_$TAG. Micro batch 16: at 8 one GPU's MoE step waited on the host
   local S="--steps 12 --warmup-steps 4" runs="$LOGS/moe_$TAG"
-  local M="--preset GPT350M --bf16 --micro-batch-size 8 --global-batch-size 64 --zero-stage 1 --nproc-per-node 2"
+  local M="--preset GPT350M --bf16 --micro-batch-size 16 --global-batch-size 64 --zero-stage 1 --nproc-per-node 2"
   ds_patches
   rm -rf "$runs"
   t 240 $B $S --results-dir "$runs" --dp-hint 2 --name gpt350m_dense_ffn6h -- $M --ffn-hidden-size 6144
