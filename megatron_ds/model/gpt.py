@@ -273,13 +273,15 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(f, h, init=_init(config, layer_number, "mlp.fc2", scaled=True), **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)
-        if self.swiglu:  # an FP8 engine's linear in fc1's place returns the fused output
+        return self.fc2(self.activation(self.fc1(x)))
+
+    def activation(self, y: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Between fc1 and fc2: SwiGLU of fc1's [gate; up] (two tensors, or one fused, as an FP8 engine's linear in
+        fc1's place returns it), or GELU. Also what an MoE layer's stacked experts apply (training/moe.py)."""
+        if self.swiglu:
             gate, up = y if isinstance(y, tuple) else y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate=self.gelu_approximate)
-        return self.fc2(y)
+            return F.silu(gate) * up
+        return F.gelu(y, approximate=self.gelu_approximate)
 
 
 def mlp_for_layer(config: GPTConfig, layer_number: int, group, moe_mlp=None) -> nn.Module:
