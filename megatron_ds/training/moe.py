@@ -5,7 +5,8 @@ Why here and not in model/: the model package knows nothing of DeepSpeed; GPTMod
 expert, so every copy would start equal, and its gate draws from the global RNG. We redraw each expert from
 (seed, layer, global expert index) and the gate from (seed, layer), so one rank and any expert-parallel layout
 start from the same model (what the equivalence tests compare). Experts are not tensor-parallel (TP > 1 with MoE
-is refused at validation): each expert is a whole MLP on one expert-parallel rank.
+is refused at validation): each expert is a whole MLP on one expert-parallel rank. A layer's local experts run as
+two batched GEMMs over their stacked weights (``stacked_experts_forward``), where DeepSpeed calls them in turn.
 """
 
 from __future__ import annotations
