@@ -5,7 +5,8 @@ Per GPU, the largest pipeline stage's:
 - training state (bytes per parameter of the stage's TP slice): bf16/fp16 weights 2 and gradients 2, fp32 master
   weights and Adam moments 12 (fp32 runs: weights 4, gradients 4, moments 8); ZeRO-1 shards the 12 over the
   data-parallel ranks, ZeRO-2 the gradients too, ZeRO-3 everything;
-- activations (Megatron's count for a layer with fused attention: 34 bytes per hidden element per token in 16-bit,
+- activations (Megatron's count for a layer with fused attention, 34 bytes per hidden element per token in 16-bit
+  for GPT with dropout, taken element by element so that GQA, SwiGLU and the FFN width count (``layer_bytes``),
   divided by TP under sequence parallelism, plus the two inputs the compiled TP layers keep gathered: 4 bytes;
   with full recompute, each layer's 16-bit input and one layer's activations; Ulysses: q, k, v and the attention
   output at full sequence, 8 bytes), for each micro-batch a stage holds at once (1F1B: PP - stage), over the
@@ -29,7 +30,6 @@ from megatron_ds.parallel.pipeline_split import stage_layers
 from megatron_ds.training.settings import Settings, model_config
 
 GIB = 1 << 30
-ACTIVATION_BYTES = 34  # per hidden element per token and layer, 16-bit, fused attention (no s x s scores)
 GATHERED_INPUT_BYTES = 4  # QKV and FC1 inputs kept all-gathered by the compiled TP layers under SP
 ULYSSES_BYTES = 8  # Ulysses: q, k, v and the attention output kept at full sequence (heads / SP): 4 x 2 bytes
 
@@ -84,9 +84,24 @@ def _state_bytes_per_parameter(layout: Layout) -> float:
     return weights + grads + optimizer
 
 
+def layer_bytes(config: GPTConfig) -> float:
+    """16-bit bytes per hidden element per token that a compiled dense layer keeps for backward, with fused attention
+    (no [s, s] scores). Megatron's 34 for GPT with dropout, counted by what each tensor is: the two norms' inputs (4);
+    attention's input (2), q, k and v (2 x (h + 2 kv) / h: 6 without GQA) and its output (2); the MLP's input (2),
+    fc1's output and fc2's input (2 x 2f / h; SwiGLU's gate, up and their product 2 x 3f / h: the compiled layer
+    recomputes silu(gate)); a 1-byte mask per hidden dropout. Measured on one H200 (bench/RESULTS.md tables 1, 2,
+    20): GPT-1.3B 32.9 with dropout (34 here), 32.5 without (32); LLaMA-style 1.3B, GQA 16/8, SwiGLU 5504, no
+    dropout, 28.9 (30.1)."""
+    h = config.hidden_size
+    kv = config.num_key_value_heads * config.head_dim
+    fc = (3 if config.swiglu else 2) * config.ffn_hidden_size
+    masks = 2 if config.hidden_dropout > 0 else 0
+    return 4 + 2 + 2 * (h + 2 * kv) / h + 2 + 2 + 2 * fc / h + masks
+
+
 def moe_layer_bytes(config: GPTConfig, experts: int, tokens: float, dtype_bytes: int) -> float:
-    """Bytes an expert layer of ``experts`` keeps for backward beyond the dense layer's MLP (which the 34 bytes
-    count), for ``tokens`` tokens of one micro-batch on this rank: what autograd saves in DeepSpeed's MoE as installed
+    """Bytes an expert layer of ``experts`` keeps for backward beyond the dense layer's MLP (which ``layer_bytes``
+    counts), for ``tokens`` tokens of one micro-batch on this rank: what autograd saves in DeepSpeed's MoE as installed
     (deepspeed/moe/sharded_moe.py, whose MOELayer routes sparsely: no [tokens, experts, capacity] dispatch or
     combine mask is built), counted from its shapes:
 
@@ -131,7 +146,7 @@ def estimate(config: GPTConfig, layout: Layout) -> Estimate:
     position_params = (config.max_position_embeddings * config.hidden_size
                        if config.position_embedding_type == "learned_absolute" else 0)
     tokens = layout.micro_batch * config.seq_length / max(1, layout.ulysses)
-    per_layer = ACTIVATION_BYTES * layout.dtype_bytes / 2 / (t if layout.sequence_parallel else 1)
+    per_layer = layer_bytes(config) * layout.dtype_bytes / 2 / (t if layout.sequence_parallel else 1)
     if layout.sequence_parallel and t > 1:
         per_layer += GATHERED_INPUT_BYTES
     if layout.ulysses > 1:

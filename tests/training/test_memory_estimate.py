@@ -54,6 +54,39 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(name, ulysses):
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
 
 
+# (record, the `entrypoint train` flags bench_train.py ran): peaks of runs whose shape the record's config does not
+# hold (dropout, GQA, SwiGLU), estimated from the flags through the parser, as `--dry-run` estimates them
+MEASURED_FROM_FLAGS = ["gpt1_3b_s2048_mbs16_gbs128_z1_nodrop_s25_1", "peers_one_gpu/qkv_ab_s32/qkv_llama_new_1"]
+
+
+@pytest.mark.parametrize("name", MEASURED_FROM_FLAGS)
+def test_estimate_from_the_flags_is_within_10_percent_of_the_measured_peak(name, demo_corpus):
+    from megatron_ds.training import memory_estimate
+    from megatron_ds.training.arguments import parse_args, validate
+
+    path = name.split("/")
+    record = json.loads((REPO / "bench" / "results" / f"{path[0]}.json").read_text())
+    for run in path[1:]:
+        record = record["runs"][run]
+    flags = record["harness_command"][record["harness_command"].index("--") + 1:]
+    args = parse_args(flags + ["--train-iters", "10", "--lr", "1e-4", "--data-path", demo_corpus.prefix,
+                               "--vocab-file", demo_corpus.vocab_file, "--merge-file", demo_corpus.merge_file], env={})
+    predicted = estimate(*memory_estimate.for_settings(validate(args, 1))).total_gib
+    measured = record["summary"]["mem_gib"]
+    print(f"{name}: estimated {predicted:.1f} GiB, measured {measured:.1f} GiB ({predicted / measured - 1:+.1%})")
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_the_layer_count_is_megatrons_34_for_gpt_and_counts_each_tensor_by_its_width():
+    from megatron_ds.training.memory_estimate import layer_bytes
+
+    gpt = GPTConfig(num_layers=2, hidden_size=2048, num_attention_heads=16, vocab_size=64, seq_length=8)
+    assert layer_bytes(gpt) == 34 and layer_bytes(replace(gpt, hidden_dropout=0.0)) == 32
+    llama = GPTConfig(num_layers=2, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, swiglu=True,
+                      ffn_hidden_size=5504, vocab_size=64, seq_length=8, hidden_dropout=0.0)
+    assert layer_bytes(llama) == 4 + 2 + 4 + 2 + 2 + 2 * 3 * 5504 / 2048  # k, v half of q's width; gate, up, product
+
+
 def test_a_layout_that_fits_is_found_and_fits():
     gpt13 = GPTConfig(num_layers=40, hidden_size=5120, num_attention_heads=40, seq_length=2048,
                       max_position_embeddings=2048, vocab_size=50304)
