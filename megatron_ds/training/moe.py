@@ -93,7 +93,7 @@ class DeepSpeedMoEMLP(nn.Module):
         experts = self.moe.deepspeed_moe.experts
         experts.forward = functools.partial(stacked_experts_forward, experts)  # the same module, batched
         local = self.moe.num_local_experts
-        for i, module in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+        for i, module in enumerate(experts.deepspeed_experts):
             _redraw(module, config, layer_number, f"moe.expert{ep_rank * local + i}")
         _redraw(self.moe.deepspeed_moe.gate, config, layer_number, "moe.gate")
         if config.mlp_type == "residual":  # the dense MLP beside the experts and its mixing coefficient

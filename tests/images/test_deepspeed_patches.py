@@ -136,16 +136,22 @@ def patched_site(plain_site, tmp_path_factory) -> Path:
     return site
 
 
+def run_on_site(code: str, site: Path, tmp_path: Path, env: dict | None = None, timeout: int = 120):
+    """Run ``code`` in a fresh Python that imports DeepSpeed from ``site``; what it printed after "RESULT ", as JSON."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
 def run_driver(tmp_path: Path, site: Path, zero: int, accum: str, opt: str, ga: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(ZERO=str(zero), ACCUM=accum, OPT=opt, GA=str(ga))
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
-    result = subprocess.run([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_on_site(DRIVER, site, tmp_path, env, timeout=300)
 
 
 @pytest.mark.parametrize("zero,accum,optimizer,opt", [
@@ -230,14 +236,8 @@ def test_norm_mask_gives_deepspeeds_values(plain_site, patched_site, tmp_path):
     probe = ("import torch; from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace as mask; "
              "t = torch.tensor([1.5, float('inf'), -float('inf'), float('nan'), 0.0]); mask(t, device=t.device); "
              "print('RESULT', t.tolist())")
-    results = []
-    for site in (plain_site, patched_site):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
-        run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=120)
-        assert run.returncode == 0, run.stderr[-3000:]
-        results.append(next(line for line in run.stdout.splitlines() if line.startswith("RESULT ")))
-    assert results[0] == results[1] == "RESULT [1.5, -1.0, -1.0, -1.0, 0.0]"
+    results = [run_on_site(probe, site, tmp_path) for site in (plain_site, patched_site)]
+    assert results[0] == results[1] == [1.5, -1.0, -1.0, -1.0, 0.0]
 
 
 GATES = r"""
@@ -266,12 +266,6 @@ def test_moe_gates_place_every_token_where_deepspeed_does(plain_site, patched_si
     """patches/deepspeed 0008: top-1, top-2 and top-k gating, with and without token dropping and sparse routes,
     give DeepSpeed's gate loss, capacity, dispatch and combine weights (or routes) exactly, tokens dropped included
     (that the scan is faster is bench/RESULTS.md's MoE row)."""
-    results = []
-    for site in (plain_site, patched_site):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
-        run = subprocess.run([sys.executable, "-c", GATES], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=120)
-        assert run.returncode == 0, run.stderr[-3000:]
-        results.append(json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:]))
+    results = [run_on_site(GATES, site, tmp_path) for site in (plain_site, patched_site)]
     assert len(results[0]) == 14 and results[0] == results[1]
     assert results[0]["kept False"] == 300 and results[0]["kept True"] < 300  # the capacity cut dropped tokens

@@ -54,8 +54,8 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(name, ulysses):
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
 
 
-# (record, the `entrypoint train` flags bench_train.py ran): peaks of runs whose shape the record's config does not
-# hold (dropout, GQA, SwiGLU), estimated from the flags through the parser, as `--dry-run` estimates them
+# records (or bundle/run paths) of runs whose shape the record's config does not hold (dropout, GQA, SwiGLU): their
+# peaks against the estimate from the `entrypoint train` flags bench_train.py ran, through the parser, as --dry-run
 MEASURED_FROM_FLAGS = ["gpt1_3b_s2048_mbs16_gbs128_z1_nodrop_s25_1", "peers_one_gpu/qkv_ab_s32/qkv_llama_new_1"]
 
 
