@@ -27,7 +27,6 @@ import glob
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from megatron_ds.checkpoint import layout as paths
 from megatron_ds.checkpoint import metadata as meta
 from megatron_ds.checkpoint import splits as split_records
 from megatron_ds.checkpoint.metadata import CheckpointError
+from megatron_ds.runtime.rendezvous import hosted_store
 
 
 def _log(message: str) -> None:
@@ -91,41 +91,35 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
     return Namespace(**{**source_args, **changes})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(phase: str, spec: dict, world: int, staging: str, timeout: float) -> None:
     """Start ``world`` rank processes of reshard_rank.py on this machine (gloo) and wait for all of them."""
     spec_path = os.path.join(staging, f"{phase}.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    port = _free_port()
     logs, procs = [], []
-    for rank in range(world):
-        log = open(os.path.join(staging, f"{phase}.rank{rank}.log"), "w")
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_ds.convert.reshard_rank", phase, spec_path],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
-        logs.append(log)
-    deadline = time.time() + timeout
-    codes = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+    with hosted_store() as store:
+        for rank in range(world):
+            log = open(os.path.join(staging, f"{phase}.rank{rank}.log"), "w")
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", **store.rank_env,
+                       CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "megatron_ds.convert.reshard_rank", phase,
+                                           spec_path], env=env, stdout=log, stderr=subprocess.STDOUT))
+            logs.append(log)
+        deadline = time.time() + timeout
+        codes = []
+        try:
+            for p in procs:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            codes = None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
     if codes is None or any(codes):
         failed = 0 if codes is None else next(r for r, c in enumerate(codes) if c)
         with open(os.path.join(staging, f"{phase}.rank{failed}.log")) as f:

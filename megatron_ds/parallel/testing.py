@@ -12,19 +12,14 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_module
-import socket
 import time
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_ds.runtime.rendezvous import hosted_store
 
 
-def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, sp: int, fn, args, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+def _rank_main(rank: int, world_size: int, store_env: dict, tp: int, pp: int, sp: int, fn, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", **store_env, RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
 
@@ -46,24 +41,15 @@ def _rank_main(rank: int, world_size: int, port: int, tp: int, pp: int, sp: int,
 
 
 def run_on_ranks(fn, world_size: int, *args, tp: int = 1, pp: int = 1, sp: int = 1, timeout: float = 180.0) -> list:
-    for _ in range(3):
-        try:
-            return _run_once(fn, world_size, args, tp, pp, sp, timeout)
-        except _PortTaken:
-            continue  # another job took the free port between our probe and the rendezvous
-    return _run_once(fn, world_size, args, tp, pp, sp, timeout)
+    with hosted_store() as store:
+        return _run_ranks(fn, world_size, args, store.rank_env, tp, pp, sp, timeout)
 
 
-class _PortTaken(RuntimeError):
-    pass
-
-
-def _run_once(fn, world_size: int, args: tuple, tp: int, pp: int, sp: int, timeout: float) -> list:
+def _run_ranks(fn, world_size: int, args: tuple, store_env: dict, tp: int, pp: int, sp: int, timeout: float) -> list:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tp, pp, sp, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, store_env, tp, pp, sp, fn, args, results),
+                         daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     values: dict[int, object] = {}
@@ -81,8 +67,6 @@ def _run_once(fn, world_size: int, args: tuple, tp: int, pp: int, sp: int, timeo
                                        f"within {timeout:.0f} s") from None
                 continue
             if not ok:
-                if "Address already in use" in payload or "EADDRINUSE" in payload:
-                    raise _PortTaken(payload)
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             values[rank] = pickle.loads(payload)
     finally:

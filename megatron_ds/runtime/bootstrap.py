@@ -9,11 +9,11 @@ Spawned ranks get RANK = node_rank * nproc + local_rank and WORLD_SIZE = nodes *
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -24,6 +24,7 @@ from megatron_ds.env_settings import RANK_LD_PRELOAD, STARTED_AT, SUPERVISED
 from megatron_ds.runtime import profiles
 from megatron_ds.runtime.discovery import DiscoveryError, RankInfo, as_spawned, discover, rank_env
 from megatron_ds.runtime.profiles import Profile, ProfileError
+from megatron_ds.runtime.rendezvous import hosted_store
 from megatron_ds.runtime.restarts import Failure, RestartPolicy
 from megatron_ds.runtime.supervisor import RankSpec, Supervisor
 
@@ -61,18 +62,13 @@ class Plan:
     nproc_why: str
     profile: Profile
     profile_why: str
+    hosts_store: bool = False  # this process serves the ranks' rendezvous store (runtime/rendezvous.py)
 
     def ranks(self) -> list[RankInfo]:
         """The RankInfo of each rank this process becomes or spawns."""
         if not self.spawn:
             return [self.info]
         return [as_spawned(self.info, local, self.nproc) for local in range(self.nproc)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
@@ -116,9 +112,10 @@ def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
     spawn = nproc > 1 or max_restarts > 0
     if nproc == 1 and spawn:
         why += f"; started as a supervised child for --max-restarts {max_restarts}"
-    if spawn and info.source == "none" and not env.get("MASTER_PORT"):
-        info = dataclasses.replace(info, master_port=_free_port())
-    return Plan(info, spawn, nproc, why, chosen, profile_why)
+    hosts_store = spawn and info.source == "none" and not env.get("MASTER_PORT")
+    if hosts_store:
+        info = dataclasses.replace(info, master_port=0)  # 0 until the store is bound: the OS assigns it then
+    return Plan(info, spawn, nproc, why, chosen, profile_why, hosts_store)
 
 
 def _warn(message: str) -> None:
@@ -196,14 +193,22 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
     base = dict(os.environ)
     prepare_env(plan, base, strict=strict)
     base[SUPERVISED.name] = "1"  # their launcher flags were ours to apply
-    print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
     policy = RestartPolicy(max_restarts)
+    attempt = 0
     while True:
-        # progress records and stacks of this attempt; kept (and named in the log) when it fails
-        watch_dir = tempfile.mkdtemp(prefix="mds-watchdog-")
-        supervisor = Supervisor(rank_specs(plan, argv, base), grace=grace, signal_grace=signal_grace, label=label,
-                                tee_dir=tee_dir, watch_dir=watch_dir)
-        code = supervisor.run()
+        with contextlib.ExitStack() as attempt_scope:
+            env = base
+            if plan.hosts_store:
+                store = attempt_scope.enter_context(hosted_store(attempt))
+                plan = dataclasses.replace(plan, info=dataclasses.replace(plan.info, master_port=store.port))
+                env = {**base, **store.rank_env}
+            if attempt == 0:
+                print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
+            # progress records and stacks of this attempt; kept (and named in the log) when it fails
+            watch_dir = tempfile.mkdtemp(prefix="mds-watchdog-")
+            supervisor = Supervisor(rank_specs(plan, argv, env), grace=grace, signal_grace=signal_grace,
+                                    label=label, tee_dir=tee_dir, watch_dir=watch_dir)
+            code = supervisor.run()
         rank = supervisor.failure[0].rank if supervisor.failure else None
         failure = Failure(code, rank, supervisor.watchdog.last_iteration())
         if supervisor.hang is None:  # only a hang's stacks are worth keeping
@@ -213,8 +218,7 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
         if not policy.should_restart(failure, stopped_from_outside=bool(supervisor.received)):
             return code
         base[STARTED_AT.name] = repr(time.time())  # the next ranks' start-up counts from their relaunch
-        if plan.info.source == "none" and "MASTER_PORT" not in os.environ:  # ours: a fresh rendezvous port
-            plan = dataclasses.replace(plan, info=dataclasses.replace(plan.info, master_port=_free_port()))
+        attempt += 1
 
 
 def become_rank(child_argv: list[str], *, nproc_per_node: int | None = None, profile: str | None = None,

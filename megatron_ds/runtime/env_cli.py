@@ -52,6 +52,10 @@ def describe_plan(plan: bootstrap.Plan, env: dict[str, str]) -> dict:
             "cpus_why": cpu_why if cpus else f"inherited ({cpu_why})",
         })
     variables = [{"name": k, "value": v, "why": _rank_source(plan)} for k, v in rank_env(plan.ranks()[0]).items()]
+    if plan.hosts_store:
+        port = next(v for v in variables if v["name"] == "MASTER_PORT")
+        port["why"] = "the launcher serves the rendezvous on a port the OS assigns when the ranks start (0 here; set " \
+                      "MASTER_PORT to choose one)"
     variables += [{"name": s.name, "value": s.value, "why": s.why} for s in settings]
     variables.append({"name": PROFILE.name, "value": plan.profile.name, "why": f"profile chosen ({plan.profile_why})"})
     return {

@@ -26,7 +26,8 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", default=None,
                         help="overrides MASTER_ADDR (default: the first host of the job)")
     parser.add_argument("--master-port", type=int, default=None,
-                        help="overrides MASTER_PORT (default: derived from the job id)")
+                        help="overrides MASTER_PORT (default: derived from the job id; without a launcher, the "
+                             "port of the rendezvous store this process serves)")
 
 
 def apply_overrides(args: argparse.Namespace) -> None:

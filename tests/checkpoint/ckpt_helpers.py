@@ -3,13 +3,15 @@ types them (the launcher variables of the test's own environment removed), and r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megatron_ds.runtime.rendezvous import hosted_store
 
 DRIVER = Path(__file__).with_name("engine_driver.py")
 ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
@@ -19,22 +21,18 @@ GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--max-position-embeddings", "32"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Ranks:
-    """One process per rank, each with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set (what a launcher does)."""
+    """One process per rank, each with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, around a rendezvous store served
+    here (what a launcher does)."""
 
     def __init__(self, argv: list[str], world: int, cwd: Path, log_name: str = "run"):
-        port = free_port()
+        self._scope = contextlib.ExitStack()
+        store = self._scope.enter_context(hosted_store())
         self.logs = [cwd / f"{log_name}.rank{r}.log" for r in range(world)]
         self.procs = []
         for rank in range(world):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", **store.rank_env,
                        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             with open(self.logs[rank], "w") as log:
                 self.procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -46,7 +44,9 @@ class Ranks:
             return [p.wait(timeout=max(1, deadline - time.time())) for p in self.procs]
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"ranks did not finish in {timeout}s:\n{self.output()}")
+            raise AssertionError(f"ranks did not finish in {timeout}s:\n{self.output()}") from None
+        finally:
+            self._scope.close()
 
     def signal(self, signum: int, ranks: list[int] | None = None) -> None:
         for rank in ranks if ranks is not None else range(len(self.procs)):
@@ -93,9 +93,10 @@ def metrics(cwd: Path) -> tuple[dict[int, float], dict[int, float]]:
 
 
 def env() -> dict[str, str]:
-    """The test's environment without launcher variables (a fresh MASTER_PORT), one thread per rank."""
+    """The test's environment without launcher variables (the launcher serves the rendezvous), one thread per
+    rank."""
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return dict(clean, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    return dict(clean, OMP_NUM_THREADS="1")
 
 
 def train_argv(corpus, ranks: int, flags: list[str], *, iters: int = 10, model: list[str] = GPT) -> list[str]:

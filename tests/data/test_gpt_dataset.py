@@ -9,6 +9,7 @@ import pytest
 from megatron_ds.data.gpt_dataset import (DataConfigError, blend_indices, build_gpt_datasets, parse_data_path,
                                           split_bounds)
 from megatron_ds.data.indexed import IndexedDatasetWriter
+from megatron_ds.runtime.rendezvous import hosted_store
 
 SEQ = 16
 
@@ -134,8 +135,7 @@ BUILD = textwrap.dedent("""
     from megatron_ds.data.gpt_dataset import build_gpt_datasets
     if sys.argv[3] == "gloo":
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[4],
-                                rank=int(sys.argv[5]), world_size=2)
+        dist.init_process_group("gloo", rank=int(sys.argv[4]), world_size=2)  # env://: the test's store
     ds = build_gpt_datasets([sys.argv[1]], "1", 8, 1, (200000, 0, 0), cache_dir=sys.argv[2])[0]
     print("BUILT" if ds.built else "LOADED", int(ds[123].sum()))
     if sys.argv[3] == "gloo":  # a build that fails on rank 0 fails every rank instead of hanging them
@@ -147,14 +147,6 @@ BUILD = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lock", "gloo"])
 def test_two_processes_only_one_builds(tmp_path, mode):
@@ -162,10 +154,12 @@ def test_two_processes_only_one_builds(tmp_path, mode):
     with IndexedDatasetWriter(prefix + "_empty", np.int32) as w:  # documents without tokens
         w.add_document([])
         w.add_document([])
-    cache, port = str(tmp_path / "cache"), str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD, prefix, cache, mode, port, str(rank)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    cache = str(tmp_path / "cache")
+    with hosted_store() as store:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", **store.rank_env)
+        procs = [subprocess.Popen([sys.executable, "-c", BUILD, prefix, cache, mode, str(rank)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     results = sorted(o[0].split()[0] for o in outs)
     assert results == ["BUILT", "LOADED"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.parallel.testing import free_port
+from megatron_ds.runtime.rendezvous import hosted_store
 
 REPO = Path(__file__).resolve().parents[2]
 APPLY = REPO / "patches" / "apply"
@@ -150,8 +150,9 @@ def run_on_site(code: str, site: Path, tmp_path: Path, env: dict | None = None, 
 def run_driver(tmp_path: Path, site: Path, zero: int, accum: str, opt: str, ga: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(ZERO=str(zero), ACCUM=accum, OPT=opt, GA=str(ga))
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return run_on_site(DRIVER, site, tmp_path, env, timeout=300)
+    with hosted_store() as store:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", **store.rank_env)
+        return run_on_site(DRIVER, site, tmp_path, env, timeout=300)
 
 
 @pytest.mark.parametrize("zero,accum,optimizer,opt", [

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ds.runtime.rendezvous import hosted_store
+
 pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).with_name("fp8_train_driver.py")
@@ -35,28 +37,20 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--metrics-file", "metrics.jsonl", "--fp8-format", "hybrid"]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_driver(cwd: Path, corpus, *extra: str, nproc: int = 1) -> str:
     """fp8_train_driver.py on ``nproc`` ranks (one process each, env:// as a launcher sets it); rank 0's output."""
     cwd.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     argv = [sys.executable, str(DRIVER), *FLAGS, "--data-path", corpus.prefix, "--vocab-file", corpus.vocab_file,
             "--merge-file", corpus.merge_file, *extra]
     procs = []
-    for rank in range(nproc):
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-        env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    with hosted_store() as store:
+        for rank in range(nproc):
+            env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+            env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+                       MASTER_ADDR="127.0.0.1", **store.rank_env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * nproc, "\n".join(out[-6000:] for out in outs)
     return outs[0]
 
@@ -139,15 +133,15 @@ EXTRA_STATE_DRIVER = Path(__file__).with_name("extra_state_driver.py")
 
 def run_ranks(world: int, *argv: str, cwd: Path) -> list[dict]:
     """One process per rank (what a launcher does); each prints one JSON line."""
-    port = free_port()
     procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, str(EXTRA_STATE_DRIVER), *argv], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    with hosted_store() as store:
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", **store.rank_env, OMP_NUM_THREADS="1",
+                       PYTHONUNBUFFERED="1")
+            procs.append(subprocess.Popen([sys.executable, str(EXTRA_STATE_DRIVER), *argv], cwd=cwd, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank}:\n{out[-4000:]}"
     return [json.loads(next(line for line in out.splitlines() if line.startswith('{"rank"'))) for out in outputs]

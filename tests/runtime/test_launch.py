@@ -1,8 +1,10 @@
 """Real launchers, real processes: the per-node spawner, torchrun, Open MPI, become_rank, and faults."""
 
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,9 +31,32 @@ def test_spawner_runs_two_ranks_and_all_reduces(tmp_path):
     assert "spawning 2 local rank(s)" in result.stderr
 
 
+def test_the_rendezvous_port_is_held_before_any_rank_starts(tmp_path):
+    """Another process grabbing the announced port while the ranks still import must not break the job.
+
+    A probed-free port handed to rank 0 to bind later was taken in CI by another test's connection
+    (EADDRINUSE): the launcher now serves the store itself, so the port is bound from the announcement on."""
+    slow_rank = f"sleep 3; exec {PY} {PROBE} {tmp_path}"
+    proc = subprocess.Popen([ENTRYPOINT, "launch", "--nproc-per-node", "2", "--", "sh", "-c", slow_rank],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    thief = socket.socket()
+    try:
+        announced = proc.stderr.readline()
+        port = int(re.search(r"master 127\.0\.0\.1:(\d+)", announced).group(1))
+        with pytest.raises(OSError, match="in use"):
+            thief.bind(("127.0.0.1", port))
+            thief.listen()  # had it been free, we would hold it while rank 0 tries to serve there
+        _, err = proc.communicate(timeout=120)
+    finally:
+        thief.close()
+        proc.kill()
+    assert proc.returncode == 0, announced + err
+    assert {r["master_port"] for r in assert_two_ranks(tmp_path, master="127.0.0.1")} == {port}
+
+
 def test_torchrun(tmp_path):
     torchrun = str(Path(PY).parent / "torchrun")
-    result = _run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python",
+    result = _run([torchrun, "--standalone", "--nproc-per-node", "2", "--no-python",  # its agent picks the port
                    ENTRYPOINT, "launch", "--", PY, str(PROBE), str(tmp_path)])
     assert result.returncode == 0, result.stderr
     assert_two_ranks(tmp_path)

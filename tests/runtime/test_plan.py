@@ -38,9 +38,10 @@ def test_task_per_gpu_is_one_rank_even_with_nproc(env):
     assert not plan.spawn and plan.ranks() == [plan.info] and plan.info.rank == 3
 
 
-def test_no_launcher_spawns_visible_gpus_on_a_free_port():
+def test_no_launcher_spawns_visible_gpus_around_a_store_it_hosts():
     plan = make_plan(None, None, {"CUDA_VISIBLE_DEVICES": "0,1"})
-    assert plan.spawn and [r.rank for r in plan.ranks()] == [0, 1] and plan.info.master_port != 29500
+    assert plan.spawn and [r.rank for r in plan.ranks()] == [0, 1] and plan.hosts_store
+    assert not make_plan(None, None, {"CUDA_VISIBLE_DEVICES": "0,1", "MASTER_PORT": "29999"}).hosts_store
     assert not make_plan(None, None, {"CUDA_VISIBLE_DEVICES": ""}).spawn
 
 
@@ -61,9 +62,10 @@ def test_visible_gpus_from_the_filesystem(tmp_path, files, count):
 def test_max_restarts_supervises_even_a_single_rank():
     plan = make_plan(None, None, {"CUDA_VISIBLE_DEVICES": ""}, max_restarts=2)
     assert plan.spawn and plan.nproc == 1 and [r.rank for r in plan.ranks()] == [0]
-    assert "supervised child for --max-restarts 2" in plan.nproc_why and plan.info.master_port != 29500
+    assert "supervised child for --max-restarts 2" in plan.nproc_why and plan.hosts_store
     one_task_per_node = make_plan(None, None, SLURM_NODE_1_OF_2, max_restarts=1)
     assert one_task_per_node.spawn and [(r.rank, r.world_size) for r in one_task_per_node.ranks()] == [(1, 2)]
+    assert not one_task_per_node.hosts_store  # across nodes, the master node's rank 0 serves it
 
 
 TORCHRUN_RANK_0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n1",

@@ -112,15 +112,15 @@ def test_rank_without_a_supervisor_watches_itself(tmp_path):
     """One task per GPU (here: RANK set by hand, as a scheduler would): each rank's own watchdog ends it with 124.
     Rank 0 (waiting in the collective, 3 s) fires before rank 1 (sleeping, 6 s), so neither sees the other's
     exit first."""
-    from runtime_helpers import free_port
+    from megatron_ds.runtime.rendezvous import hosted_store
 
-    port = str(free_port())
-    procs = [subprocess.Popen([PY, HANG_PROBE, str(tmp_path), "sleep"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                            MASTER_PORT=port, PROBE_STAGGER="1"))
-             for r in range(2)]
-    outputs = [p.communicate(timeout=120) for p in procs]
+    with hosted_store() as store:
+        procs = [subprocess.Popen([PY, HANG_PROBE, str(tmp_path), "sleep"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                                MASTER_ADDR="127.0.0.1", PROBE_STAGGER="1", **store.rank_env))
+                 for r in range(2)]
+        outputs = [p.communicate(timeout=120) for p in procs]
     age = _hang_age(tmp_path)
     print(f"\nself-watching ranks: {age:.1f} s from the hang to the last exit (step timeouts 3 s and 6 s)")
     assert [p.returncode for p in procs] == [HANG_EXIT, HANG_EXIT], outputs

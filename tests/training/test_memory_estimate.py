@@ -202,8 +202,8 @@ SAVED = """
 import os, sys, weakref
 import torch
 import torch.distributed as dist
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-dist.init_process_group("gloo")
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no TCP port
 import deepspeed
 deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
 from megatron_ds.model.config import GPTConfig
@@ -251,10 +251,9 @@ def test_the_expert_layer_term_is_what_autograd_saves_on_cpu(tmp_path):
     under gloo)."""
     import sys
 
-    from tests.checkpoint.ckpt_helpers import free_port
     from tests.training.test_train_equivalence import clean_env
 
-    result = subprocess.run([sys.executable, "-c", SAVED, str(free_port())], env=clean_env(), cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-c", SAVED], env=clean_env(), cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.rsplit(maxsplit=2) for line in result.stdout.splitlines() if line.startswith("row ")]

@@ -177,8 +177,8 @@ def test_expert_parallel_2_under_zero_matches_one_rank(tmp_path_factory, demo_co
 COUNT = """
 import os, sys
 import torch.distributed as dist
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-dist.init_process_group("gloo")
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no TCP port
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.gpt import GPTModel
 from megatron_ds.training.moe import moe_mlp_builder
@@ -195,9 +195,8 @@ def test_parameter_count_includes_experts(tmp_path):
     PR-MoE's residual MLP: what DeepSpeed's layer holds on one rank."""
     import sys
 
-    from tests.checkpoint.ckpt_helpers import free_port
 
-    result = subprocess.run([sys.executable, "-c", COUNT, str(free_port())], env=clean_env(), capture_output=True,
+    result = subprocess.run([sys.executable, "-c", COUNT], env=clean_env(), capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line and line[0].isdigit()]

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 from test_train_equivalence import GPT, clean_env, data_flags
+
+from megatron_ds.runtime.rendezvous import hosted_store
 
 pytestmark = pytest.mark.slow
 
@@ -24,24 +25,20 @@ ITERS = 4
 LAYOUT = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "4"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _argv(corpus, metrics) -> list[str]:
     return [ENTRYPOINT, "train", *GPT, *data_flags(corpus), *LAYOUT, "--train-iters", str(ITERS), "--lr", "1e-3",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--log-interval", "1",
             "--eval-iters", "0", "--metrics-file", str(metrics), "--nproc-per-node", "2"]
 
 
-def _slurm_node(node: int, port: int) -> dict[str, str]:
-    """What a task of `srun -N2 --ntasks-per-node=1` sees on node `node` (both nodes are this host)."""
+def _slurm_node(node: int, store_env: dict[str, str]) -> dict[str, str]:
+    """What a task of `srun -N2 --ntasks-per-node=1` sees on node `node` (both nodes are this host). The test
+    serves the rendezvous store, as torchrun's agent would: a port probed here and bound seconds later by rank 0
+    could be taken in between on a busy CI host."""
     return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(node), "SLURM_NTASKS": "2",
             "SLURM_LOCALID": "0", "SLURM_NODEID": str(node), "SLURM_STEP_NUM_NODES": "2",
             "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "localhost,localhost",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            "MASTER_ADDR": "127.0.0.1", **store_env}
 
 
 def _losses(metrics) -> list[float]:
@@ -56,15 +53,15 @@ def test_two_node_launchers_train_the_losses_of_one_launcher_of_four_ranks(tmp_p
     assert single.returncode == 0, single.stderr[-4000:]
     assert "TP 2 x PP 1 x DP 2" in single.stdout
 
-    port = _free_port()
     nodes = []
-    for node in (0, 1):
-        work = tmp_path / f"node{node}"
-        work.mkdir()
-        nodes.append(subprocess.Popen(_argv(demo_corpus, work / "metrics.jsonl"), cwd=work,
-                                      env={**clean_env(), **_slurm_node(node, port)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=300) for p in nodes]
+    with hosted_store() as store:
+        for node in (0, 1):
+            work = tmp_path / f"node{node}"
+            work.mkdir()
+            nodes.append(subprocess.Popen(_argv(demo_corpus, work / "metrics.jsonl"), cwd=work,
+                                          env={**clean_env(), **_slurm_node(node, store.rank_env)},
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=300) for p in nodes]
     for node, (p, (out, err)) in enumerate(zip(nodes, outs)):
         assert p.returncode == 0, f"node {node}:\n{out[-2000:]}\n{err[-4000:]}"
         assert f"slurm: node {node}/2, spawning 2 local rank(s)" in err, err[-3000:]

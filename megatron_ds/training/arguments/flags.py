@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "state, activations, logits), and exit without starting a rank")
     g.add_argument("--profile", help="site profile for the NCCL/RCCL environment (default: detected)")
     g.add_argument("--master-addr", help="overrides MASTER_ADDR (default: the first host of the job, torchrun's name)")
-    g.add_argument("--master-port", type=int, help="overrides MASTER_PORT (default: derived from the job id; a free "
-                                                   "port without a launcher)")
+    g.add_argument("--master-port", type=int, help="overrides MASTER_PORT (default: derived from the job id; without a "
+                                                   "launcher, the port of the store the launcher serves)")
 
     g = p.add_argument_group("mixture of experts", "Megatron-DeepSpeed's MoE flags, through DeepSpeed's MoE layer "
                              "(docs/training.md#mixture-of-experts)")
