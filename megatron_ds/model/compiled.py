@@ -27,7 +27,7 @@ from megatron_ds import compile_costs
 from megatron_ds.env_settings import INDUCTOR_OPTIONS
 
 _failure: str | None = None  # why compiling failed in this process (then everything runs eager)
-_first_call: float | None = None  # seconds of the first compiled call: tracing and lowering both graphs
+_first_calls: dict[str, float] = {}  # what -> seconds of its first compiled call: tracing and lowering both graphs
 
 
 def cache_dir() -> str:
@@ -51,8 +51,9 @@ def compile_failure() -> str | None:
 
 
 def first_call_seconds() -> float | None:
-    """Wall time of the first compiled layer call (the compile time, plus one layer's work), or None."""
-    return _first_call
+    """Wall time of the first call of each compiled layer function (their compile time, plus one layer's work),
+    summed; None before any."""
+    return sum(_first_calls.values()) if _first_calls else None
 
 
 # Dropout through ATen's kernel instead of inductor's in-kernel Philox: inductor draws one random number per element
@@ -97,10 +98,12 @@ def _fall_back(err: BaseException) -> None:
 
 class CompiledForward:
     """``fn`` through torch.compile (with LAYER_OPTIONS, then inductor ``options``, then MDS_INDUCTOR_OPTIONS:
-    env_settings.INDUCTOR_OPTIONS); ``fn`` itself once compiling has failed in this process."""
+    env_settings.INDUCTOR_OPTIONS); ``fn`` itself once compiling has failed in this process. ``what`` names the
+    graph in the start-up line's compile costs."""
 
-    def __init__(self, fn, options: dict | None = None):
+    def __init__(self, fn, options: dict | None = None, what: str = "layer graph"):
         self.eager = fn
+        self.what = what
         self.compiled = None
         options = {**LAYER_OPTIONS, **(options or {}), **(INDUCTOR_OPTIONS.get() or {})}
         if _failure is None:
@@ -110,10 +113,9 @@ class CompiledForward:
                 _fall_back(err)
 
     def __call__(self, *args):
-        global _first_call
         if _failure is not None or self.compiled is None:
             return self.eager(*args)
-        timed = _first_call is None
+        timed = self.what not in _first_calls
         start = time.perf_counter()
         try:
             with _lower_backward_now():
@@ -124,6 +126,6 @@ class CompiledForward:
         if timed:
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
-            _first_call = time.perf_counter() - start
-            compile_costs.record("layer graph", _first_call)
+            _first_calls[self.what] = time.perf_counter() - start
+            compile_costs.record(self.what, _first_calls[self.what])
         return out

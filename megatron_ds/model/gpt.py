@@ -330,7 +330,11 @@ class TransformerLayer(nn.Module):
             return body
         keep_rank_stream_core_eager()
         prepare_group(config.tp_comm_overlap, self.group)
-        return CompiledForward(body, inductor_options(config.tp_comm_overlap))
+        options = inductor_options(config.tp_comm_overlap)
+        if getattr(self.mlp, "is_moe", False):
+            attention = CompiledForward(self._attention_block, options, what="attention graph of the expert layers")
+            return functools.partial(self._expert_layer_forward, attention)
+        return CompiledForward(body, options)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -338,10 +342,24 @@ class TransformerLayer(nn.Module):
         return sequence_parallel_dropout(x, self.dropout, self.training, self.sp_group)  # Ulysses, or plain
 
     def _forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
-        """``rope``: the attention's rotary tables (cos, sin), or nothing without rope (see ``forward``)."""
+        """``rope``: the attention's rotary tables (cos, sin), or nothing without rope (see ``forward``). One frame
+        on purpose: where the core runs eager (SelfAttention.core_for), dynamo breaks the graph there, and a break
+        inside a nested call would break it at the call instead (TP=2 with dropout: 7 graphs, not 3)."""
         attention = self.attention  # its three steps called from here: see SelfAttention.core_for
         heads = attention.heads(self.input_norm(x), rope or None)
         x = x + self._drop(attention.project(attention.core_for()(*heads)))
+        return x + self._drop(self.mlp(self.post_attention_norm(x)))
+
+    def _attention_block(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        """The first half of ``_forward``: an expert layer's compiled graph."""
+        heads = self.attention.heads(self.input_norm(x), rope or None)
+        return x + self._drop(self.attention.project(self.attention.core_for()(*heads)))
+
+    def _expert_layer_forward(self, attention_block, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        """An expert layer under --torch-compile: DeepSpeed's gate reads the experts' capacity on the host, which
+        would break the layer's graph in every layer, so the attention block runs compiled (one graph for every
+        expert layer) and the MoE block eager after it; the dense layers between compile whole."""
+        x = attention_block(x, *rope)
         return x + self._drop(self.mlp(self.post_attention_norm(x)))
 
     def _halves_forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:

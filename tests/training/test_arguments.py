@@ -216,6 +216,9 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert resolved("--tensor-model-parallel-size", "2", world=2) == (True, [])  # functional TP collectives
     assert resolved("--zero-stage", "3") == (True, [])  # ZeRO-3 gathers whole layers (training/engine.py)
     assert resolved("--ds-sequence-parallel-size", "2", world=2) == (True, [])  # mds's own all-to-all compiles
+    on, notes = resolved("--num-experts", "4")  # MoE: compiled only when asked, until measured on a GPU
+    assert on is False and "off by default with MoE" in notes[0] and "--torch-compile turns it on" in notes[0]
+    assert resolved("--num-experts", "4", "--torch-compile") == (True, [])
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
     assert "Transformer Engine" in rules.compile_off_reason(te, rules._layout(te, 1))
     msamp = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={})

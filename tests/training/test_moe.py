@@ -82,7 +82,6 @@ def _dry(corpus, extra, nproc=2):
     (["--num-experts", "4", "2", "2"], "--num-experts"),
     (["--num-experts", "4", "--zero-stage", "1"], "--zero-stage"),
     (["--num-experts", "4", "--zero-stage", "3", "--create-moe-param-group"], "--zero-stage"),
-    (["--num-experts", "4", "--torch-compile"], "--torch-compile"),
     (["--num-experts", "4", "--enable-expert-tensor-parallelism"], "--enable-expert-tensor-parallelism"),
     (["--num-experts", "4", "--moe-expert-parallel-size", "4"], "--moe-expert-parallel-size"),
     (["--moe-expert-parallel-size", "2"], "--moe-expert-parallel-size"),
@@ -159,6 +158,26 @@ def test_save_and_resume_at_the_same_layout_is_bitwise(tmp_path_factory, demo_co
                                 timeout=120)
         assert result.returncode == 2, result.stdout + result.stderr
         assert "Mixture-of-Experts checkpoint (--num-experts 4)" in result.stderr, result.stderr
+
+
+def test_compiled_moe_trains_the_eager_losses(tmp_path_factory, demo_corpus):
+    """--torch-compile with MoE: layer 1 (dense) compiles whole, layer 2's attention block compiles as its own
+    graph and its MoE block runs eager (DeepSpeed's gate reads the capacity on the host). Expert parallel 2 over
+    two ranks, top-2, token dropping on: the eager run's losses within 1e-4 (fused kernels round differently)."""
+    from megatron_ds.torch_support import compile_problem
+
+    if compile_problem():  # torch 2.1 (make test-torch21): --torch-compile is refused at validation
+        pytest.skip(compile_problem())
+    layout = ["--num-experts", "4", "--expert-interval", "2", "--topk", "2", "--moe-expert-parallel-size", "2",
+              "--disable-moe-top2-2nd-expert-sampling", "--moe-loss-coeff", "0.01"]
+    eager = run_train(tmp_path_factory, demo_corpus, "moe_eager", GPT, layout, nproc=2)
+    compiled = run_train(tmp_path_factory, demo_corpus, "moe_compiled", GPT, [*layout, "--torch-compile"], nproc=2)
+    costs = next(line for line in compiled["stdout"].splitlines() if "torch.compile at start-up: " in line)
+    assert "layer graph" in costs and "attention graph of the expert layers" in costs, costs
+    assert "WARNING" not in compiled["stderr"], compiled["stderr"][-3000:]
+    assert_same_losses(compiled, eager, rel=1e-4)
+    for a, b in zip(compiled["train"], eager["train"], strict=True):
+        assert a["moe_loss"] == pytest.approx(b["moe_loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize("zero", ["1", "2"])

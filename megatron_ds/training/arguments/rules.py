@@ -490,8 +490,6 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
 
     if (why := compile_problem(dims.tp)) is not None:
         return why
-    if max(getattr(args, "num_experts", None) or [1]) > 1:
-        return "not with MoE (DeepSpeed's gate reads the experts' capacity on the host in every layer)"
     file_zero = (getattr(args, "ds_config_file", None) or {}).get("zero_optimization") or {}  # set in validate
     if args.zero_stage == 3 and file_zero.get("memory_efficient_linear", False):
         return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
@@ -519,6 +517,11 @@ def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
         return
     args.torch_compile = False
     if not cuda_gpu_visible():
+        return
+    if max(getattr(args, "num_experts", None) or [1]) > 1:
+        args.notices.append("note: torch.compile is off by default with MoE: the expert layers compile their attention "
+                            "only (DeepSpeed's gate reads the capacity on the host) and that is not yet measured "
+                            "against eager on a GPU; --torch-compile turns it on")
         return
     why = compile_off_reason(args, dims)
     if why is None:
