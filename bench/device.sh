@@ -273,14 +273,17 @@ stage_compile_faults() {  # the upstream faults mds works around: compiled c10d 
 
 stage_moe() {  # DeepSpeed-MoE on 2 GPUs: GPT-350M with 16 experts on every other layer, top-2, expert parallel 2,
   # against the dense GPT-350M of the same active parameters (FFN 6h: half the layers run two 4h experts) in one call;
-  # MFU on active parameters; one record, moe_$TAG. Micro batch 16: at 8 one GPU's MoE step waited on the host
+  # MFU on active parameters, MoE eager and compiled; one record, moe_$TAG. Micro batch 16: at 8 one GPU's MoE step
+  # waited on the host
   local S="--steps 12 --warmup-steps 4" runs="$LOGS/moe_$TAG"
   local M="--preset GPT350M --bf16 --micro-batch-size 16 --global-batch-size 64 --zero-stage 1 --nproc-per-node 2"
   ds_patches
   rm -rf "$runs"
   t 240 $B $S --results-dir "$runs" --dp-hint 2 --name gpt350m_dense_ffn6h -- $M --ffn-hidden-size 6144
-  t 240 $B $S --results-dir "$runs" --dp-hint 2 --name gpt350m_moe16_top2_ep2 -- $M --num-experts 16 --topk 2 \
-    --moe-expert-parallel-size 2 --create-moe-param-group
+  local E="--num-experts 16 --topk 2 --moe-expert-parallel-size 2 --create-moe-param-group"
+  t 240 $B $S --results-dir "$runs" --dp-hint 2 --name gpt350m_moe16_top2_ep2 -- $M $E
+  # compiled: the dense layers whole, the expert layers' attention (off by default with MoE until this row says)
+  t 240 $B $S --results-dir "$runs" --dp-hint 2 --name gpt350m_moe16_top2_ep2_compiled -- $M $E --torch-compile
   bundle "moe_$TAG" "$runs"/*.json
 }
 
