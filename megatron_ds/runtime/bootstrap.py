@@ -112,8 +112,8 @@ def make_plan(nproc_per_node: int | None = None, profile: str | None = None,
     spawn = nproc > 1 or max_restarts > 0
     if nproc == 1 and spawn:
         why += f"; started as a supervised child for --max-restarts {max_restarts}"
-    hosts_store = spawn and info.source == "none" and not env.get("MASTER_PORT")
-    if hosts_store:
+    hosts_store = spawn and info.source == "none"  # one machine, and all its ranks ours
+    if hosts_store and not env.get("MASTER_PORT"):
         info = dataclasses.replace(info, master_port=0)  # 0 until the store is bound: the OS assigns it then
     return Plan(info, spawn, nproc, why, chosen, profile_why, hosts_store)
 
@@ -194,12 +194,12 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
     prepare_env(plan, base, strict=strict)
     base[SUPERVISED.name] = "1"  # their launcher flags were ours to apply
     policy = RestartPolicy(max_restarts)
-    attempt = 0
+    attempt, store_port = 0, plan.info.master_port  # with hosts_store, 0: the OS picks one for each attempt
     while True:
         with contextlib.ExitStack() as attempt_scope:
             env = base
             if plan.hosts_store:
-                store = attempt_scope.enter_context(hosted_store(attempt))
+                store = attempt_scope.enter_context(hosted_store(store_port, attempt))
                 plan = dataclasses.replace(plan, info=dataclasses.replace(plan.info, master_port=store.port))
                 env = {**base, **store.rank_env}
             if attempt == 0:

@@ -52,7 +52,7 @@ def describe_plan(plan: bootstrap.Plan, env: dict[str, str]) -> dict:
             "cpus_why": cpu_why if cpus else f"inherited ({cpu_why})",
         })
     variables = [{"name": k, "value": v, "why": _rank_source(plan)} for k, v in rank_env(plan.ranks()[0]).items()]
-    if plan.hosts_store:
+    if plan.hosts_store and not plan.info.master_port:
         port = next(v for v in variables if v["name"] == "MASTER_PORT")
         port["why"] = "the launcher serves the rendezvous on a port the OS assigns when the ranks start (0 here; set " \
                       "MASTER_PORT to choose one)"

@@ -54,6 +54,30 @@ def test_the_rendezvous_port_is_held_before_any_rank_starts(tmp_path):
     assert {r["master_port"] for r in assert_two_ranks(tmp_path, master="127.0.0.1")} == {port}
 
 
+@pytest.mark.parametrize("command", ["launch", "train"])
+def test_a_taken_master_port_stops_the_launch_in_seconds_naming_it(tmp_path, demo_corpus, command):
+    """--master-port (or MASTER_PORT) that another process holds: exit 2 before any rank starts, not a rank 0
+    traceback after its imports."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        argv = ([ENTRYPOINT, "launch", "--master-port", str(port), "--nproc-per-node", "2", "--", PY, str(PROBE),
+                 str(tmp_path)] if command == "launch" else
+                [ENTRYPOINT, "train", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                 "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+                 "--train-iters", "1", "--lr", "1e-3", "--data-path", demo_corpus.prefix, "--vocab-file",
+                 demo_corpus.vocab_file, "--merge-file", demo_corpus.merge_file, "--master-port", str(port),
+                 "--nproc-per-node", "2"])
+        start = time.monotonic()
+        result = _run(argv, timeout=60)
+        seconds = time.monotonic() - start
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"MASTER_PORT={port}: cannot serve the ranks' rendezvous on it" in result.stderr, result.stderr
+    assert "--master-port" in result.stderr and seconds < 20, (seconds, result.stderr)
+    assert not list(tmp_path.glob("rank*.json"))  # no rank ran
+
+
 def test_torchrun(tmp_path):
     torchrun = str(Path(PY).parent / "torchrun")
     result = _run([torchrun, "--standalone", "--nproc-per-node", "2", "--no-python",  # its agent picks the port

@@ -41,7 +41,8 @@ def test_task_per_gpu_is_one_rank_even_with_nproc(env):
 def test_no_launcher_spawns_visible_gpus_around_a_store_it_hosts():
     plan = make_plan(None, None, {"CUDA_VISIBLE_DEVICES": "0,1"})
     assert plan.spawn and [r.rank for r in plan.ranks()] == [0, 1] and plan.hosts_store
-    assert not make_plan(None, None, {"CUDA_VISIBLE_DEVICES": "0,1", "MASTER_PORT": "29999"}).hosts_store
+    given = make_plan(None, None, {"CUDA_VISIBLE_DEVICES": "0,1", "MASTER_PORT": "29999"})
+    assert given.hosts_store and given.info.master_port == 29999 and plan.info.master_port == 0  # 0: the OS picks
     assert not make_plan(None, None, {"CUDA_VISIBLE_DEVICES": ""}).spawn
 
 
