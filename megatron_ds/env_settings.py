@@ -161,6 +161,10 @@ STARTED_AT: Setting[float | None] = Setting(
     doc="when the user's `entrypoint` command started (an in-job restart: when the launcher started the ranks "
         "again); set by the first mds process, inherited by its ranks, whose start-up line counts from it "
         "(internal)")
+SPAWNED_AT: Setting[float | None] = Setting(
+    "MDS_SPAWNED_AT", "seconds since the epoch", None, _number,
+    doc="set by the node supervisor when it starts the ranks: their start-up line splits the wait into the "
+        "launcher's part and the rank's own (internal)")
 WATCHDOG_DIR: Setting[str | None] = Setting(
     "MDS_WATCHDOG_DIR", "directory", None, _text,
     doc="set by the node supervisor: where each rank writes its progress and stacks; unset, a rank watches "
@@ -204,7 +208,8 @@ FUSED_CROSS_ENTROPY: Setting[bool | None] = Setting(
     "MDS_FUSED_CROSS_ENTROPY", "0|1", None, _flag,
     doc="0 turns the compiled (fused) cross-entropy kernels off, 1 forces them (CPU tests); unset: on with CUDA")
 
-ALL: tuple[Setting, ...] = (PROFILE, PROFILE_PATH, CPU_BIND, RANK_LD_PRELOAD, SUPERVISED, STARTED_AT, WATCHDOG_DIR,
+ALL: tuple[Setting, ...] = (PROFILE, PROFILE_PATH, CPU_BIND, RANK_LD_PRELOAD, SUPERVISED, STARTED_AT, SPAWNED_AT,
+                            WATCHDOG_DIR,
                             TEST_SLOW_RANK, PATCH_MANIFEST, IMAGE_FLAVOUR, SIGNAL_GRACE, PEAK_TFLOPS,
                             INDUCTOR_OPTIONS, TP_COLLECTIVES, ALLOW_TP_COMPILE, FUSED_CROSS_ENTROPY)
 

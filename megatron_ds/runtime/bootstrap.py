@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_ds.env_settings import RANK_LD_PRELOAD, STARTED_AT, SUPERVISED
+from megatron_ds.env_settings import RANK_LD_PRELOAD, SPAWNED_AT, STARTED_AT, SUPERVISED
 from megatron_ds.runtime import profiles
 from megatron_ds.runtime.discovery import DiscoveryError, RankInfo, as_spawned, discover, rank_env
 from megatron_ds.runtime.profiles import Profile, ProfileError
@@ -197,13 +197,14 @@ def spawn_ranks(plan: Plan, argv: list[str], *, strict: bool = False, grace: flo
     attempt, store_port = 0, plan.info.master_port  # with hosts_store, 0: the OS picks one for each attempt
     while True:
         with contextlib.ExitStack() as attempt_scope:
-            env = base
+            env = dict(base)
             if plan.hosts_store:
                 store = attempt_scope.enter_context(hosted_store(store_port, attempt))
                 plan = dataclasses.replace(plan, info=dataclasses.replace(plan.info, master_port=store.port))
-                env = {**base, **store.rank_env}
+                env.update(store.rank_env)
             if attempt == 0:
                 print(f"mds: {describe(plan)}", file=sys.stderr, flush=True)
+            env[SPAWNED_AT.name] = repr(time.time())  # the ranks' start-up line splits the launcher's part off
             # progress records and stacks of this attempt; kept (and named in the log) when it fails
             watch_dir = tempfile.mkdtemp(prefix="mds-watchdog-")
             supervisor = Supervisor(rank_specs(plan, argv, env), grace=grace, signal_grace=signal_grace,

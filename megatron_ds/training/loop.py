@@ -204,15 +204,19 @@ def _log_compile_time(device: torch.device, step_start: float, ahead: bool = Fal
 
 def startup_line(run) -> str:
     """Where the wait before training went on this rank, from the start of `entrypoint` (or of an in-job restart:
-    env_settings.STARTED_AT) to the datasets opened; the first step's line adds what compiling cost."""
-    from megatron_ds.env_settings import STARTED_AT
+    env_settings.STARTED_AT) to the datasets opened, a spawned rank's launch split at its spawn (SPAWNED_AT) into
+    the launcher's part and its own imports; the first step's line adds what compiling cost."""
+    from megatron_ds.env_settings import SPAWNED_AT, STARTED_AT
 
     parts = (f"process groups {run.group_seconds:.1f} s, model and engine {run.build_seconds:.1f} s, "
              f"data {run.data_seconds:.1f} s")
     started = STARTED_AT.get()
     if started is None:
         return f"mds train: start-up: {parts}"
-    return (f"mds train: start-up: launch and imports {run.started_at - started:.1f} s, {parts}; "
+    spawned = SPAWNED_AT.get()
+    split = (f" (launcher {spawned - started:.1f} s, then this rank's own start {run.started_at - spawned:.1f} s)"
+             if spawned is not None and started <= spawned <= run.started_at else "")
+    return (f"mds train: start-up: launch and imports {run.started_at - started:.1f} s{split}, {parts}; "
             f"{time.time() - started:.1f} s since `entrypoint` started")
 
 

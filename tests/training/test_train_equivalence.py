@@ -115,6 +115,19 @@ def test_tp2_matches_tp1(gpt_baseline, gpt_tp2):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+def test_spawned_ranks_split_their_start_up_at_the_spawn(gpt_tp2, gpt_baseline):
+    """A spawned rank's start-up line splits the launch into the launcher's part and its own start; a rank that
+    is the launcher's own process (one rank, no supervisor) has nothing to split."""
+    import re
+
+    line = re.search(r"start-up: launch and imports ([0-9.]+) s \(launcher ([0-9.]+) s, then this rank's own start "
+                     r"([0-9.]+) s\), process groups", gpt_tp2["stdout"])
+    assert line, gpt_tp2["stdout"][-2000:]
+    whole, launcher, rank = map(float, line.groups())
+    assert launcher > 0 and rank > 0 and abs(launcher + rank - whole) <= 0.11, line.group(0)
+    assert re.search(r"start-up: launch and imports [0-9.]+ s, process groups", gpt_baseline["stdout"])
+
+
 def test_sequence_parallel_matches_tp2_without_it(tmp_path_factory, demo_corpus, gpt_tp2, gpt_baseline):
     # with activation recomputation too: recompute is exact in fp32, so the curve must not move
     sp = run_train(tmp_path_factory, demo_corpus, "gpt_tp2_sp", GPT,
