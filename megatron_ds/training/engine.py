@@ -10,6 +10,7 @@ ZeRO-3 we partition the module over DP x SP ourselves and scale the backward (tr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -138,6 +139,8 @@ class Built:
     attention_backend: str
     backward_scale: float = 1.0  # on the loss given to engine.backward (ZeRO-3 under Ulysses: SP)
     weights_drawn_on: str = "the CPU"  # where the initial weights were drawn, for the start-up line
+    import_seconds: float = 0.0  # of the build: importing DeepSpeed (the first import in a rank)
+    engine_seconds: float = 0.0  # of the build: DeepSpeed's initialize (the rest: the model and its weights)
 
 
 def _device_args():
@@ -150,7 +153,10 @@ def _device_args():
 def build_engine(settings: Settings, precision: Precision, state: ParallelState, padded_vocab_size: int) -> Built:
     """The model, our optimizer and LR schedule (unless the DeepSpeed config brings its own) and DeepSpeed's engine,
     for this rank of ``state``."""
+    started = time.perf_counter()
     import deepspeed
+
+    import_seconds = time.perf_counter() - started
 
     optim = settings.optimizer
     config = model_config(settings, padded_vocab_size, precision.params_dtype)
@@ -205,11 +211,13 @@ def build_engine(settings: Settings, precision: Precision, state: ParallelState,
     # 4. DeepSpeed: the pipeline engine takes its grid from the PipelineModule, the plain one our mpu
     #    (MS-AMP: its DeepSpeed integration, same arguments, which wraps LBAdamW in its FP8 (ZeRO) optimizer)
     initialize = precision.fp8.deepspeed_initialize() if precision.fp8 is not None else deepspeed.initialize
+    started = time.perf_counter()
     engine, _, _, _ = initialize(
         args=_device_args(),
         model=module, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
         model_parameters=None if optimizer is not None else param_groups,
         mpu=None if pipelined else state.mpu(), dist_init_required=False)
+    engine_seconds = time.perf_counter() - started
     if optimizer is not None:
         if optimizer.state:
             # That start-up step advanced AdamW's step count, mis-scaling every early update (bias
@@ -220,7 +228,8 @@ def build_engine(settings: Settings, precision: Precision, state: ParallelState,
         else:
             for group in optimizer.param_groups:
                 group["lr"] = optim.lr
-    return Built(engine, pipelined, config, _resolved_backend(module), scale, "the GPU" if on_gpu else "the CPU")
+    return Built(engine, pipelined, config, _resolved_backend(module), scale, "the GPU" if on_gpu else "the CPU",
+                 import_seconds, engine_seconds)
 
 
 def gather_whole_layers(module: torch.nn.Module) -> None:

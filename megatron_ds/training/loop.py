@@ -208,7 +208,9 @@ def startup_line(run) -> str:
     the launcher's part and its own imports; the first step's line adds what compiling cost."""
     from megatron_ds.env_settings import SPAWNED_AT, STARTED_AT
 
-    parts = (f"process groups {run.group_seconds:.1f} s, model and engine {run.build_seconds:.1f} s, "
+    built = run.built
+    parts = (f"process groups {run.group_seconds:.1f} s, model and engine {run.build_seconds:.1f} s (importing "
+             f"DeepSpeed {built.import_seconds:.1f} s, its initialize {built.engine_seconds:.1f} s), "
              f"data {run.data_seconds:.1f} s")
     started = STARTED_AT.get()
     if started is None:
