@@ -20,6 +20,8 @@ from megatron_ds.training.settings import Settings, freeze, settings_from
 
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
 POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval", "--recompute-num-layers")
+# Positive when given (by a flag, the environment or the DeepSpeed config file): None means "not given".
+POSITIVE_IF_GIVEN = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples")
 
 if TYPE_CHECKING:  # the model and parallel packages import torch: only the rules that need them load them
     from megatron_ds.parallel.state import ParallelDims
@@ -38,6 +40,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     _filled_values_given(args)
     _precision(args)
     _megatron_equivalents(args)
+    _ds_config_zero_stage(args)
     _ranks_per_gpu(args)
     dims = _layout(args, world_size)
     check_ulysses(args, dims)
@@ -96,21 +99,32 @@ def _ds_config_agrees(args: argparse.Namespace) -> None:
     if _enabled(ds_file.get("curriculum_learning")):
         raise ConfigError("--deepspeed_config", f"{path} enables curriculum_learning, which mds does not run; set "
                           "its enabled to false (Megatron-DeepSpeed's example configs have it off)")
-    stage = (ds_file.get("zero_optimization") or {}).get("stage")
-    if stage is not None and int(stage) != args.zero_stage:
-        raise ConfigError("--zero-stage", f"{args.zero_stage} disagrees with zero_optimization.stage={stage} in {path}")
     if "gradient_clipping" in ds_file and "--clip-grad" in args.argv:
         if float(ds_file["gradient_clipping"]) != args.clip_grad:
             raise ConfigError("--clip-grad", f"{args.clip_grad} disagrees with gradient_clipping="
                               f"{ds_file['gradient_clipping']} in {path}")
 
 
+def _ds_config_zero_stage(args: argparse.Namespace) -> None:
+    """The final ZeRO stage (--zero-stage, raised by --use-distributed-optimizer) agrees with the file's."""
+    stage = ((args.ds_config_file or {}).get("zero_optimization") or {}).get("stage")
+    if stage is None or int(stage) == args.zero_stage:
+        return
+    where = f"zero_optimization.stage={stage} in {args.deepspeed_config}"
+    if args.use_distributed_optimizer and int(stage) == 0:
+        raise ConfigError("--use-distributed-optimizer", f"shards the optimizer state (ZeRO-{args.zero_stage}), "
+                          f"which disagrees with {where}: drop the flag or set the stage to 1 or more")
+    raise ConfigError("--zero-stage", f"{args.zero_stage} disagrees with {where}")
+
+
 def _filled_values_given(args: argparse.Namespace) -> None:
     """The values a flag, the environment or the DeepSpeed config may give: one of them must."""
     if args.micro_batch_size is None:
         raise ConfigError("--micro-batch-size", "is required (flag, MICRO_BATCH, or the DeepSpeed config)")
-    if args.micro_batch_size <= 0:
-        raise ConfigError("--micro-batch-size", f"must be positive (got {args.micro_batch_size})")
+    for flag in POSITIVE_IF_GIVEN:
+        value = getattr(args, _dest(flag))
+        if value is not None and value <= 0:
+            raise ConfigError(flag, f"must be positive (got {value})")
     if args.lr is None:
         raise ConfigError("--lr", "is required (or an optimizer section with params.lr in --deepspeed_config)")
 
@@ -294,11 +308,11 @@ def _batch(args: argparse.Namespace, dp: int) -> None:
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp * int(args.gradient_accumulation_steps_env or ds_gas or 1)
     args.gradient_accumulation_steps = accumulation_steps(args.global_batch_size, args.micro_batch_size, dp)
-    for source, gas in [("GAS", args.gradient_accumulation_steps_env),
-                        (f"gradient_accumulation_steps in {args.deepspeed_config}", ds_gas)]:
+    for source, gas in [("GAS={}", args.gradient_accumulation_steps_env),
+                        (f"gradient_accumulation_steps={{}} in {args.deepspeed_config}", ds_gas)]:
         if gas not in (None, "auto") and int(gas) != args.gradient_accumulation_steps:
             raise ConfigError("--global-batch-size", f"{args.global_batch_size} = {args.micro_batch_size} x DP {dp} x "
-                              f"{args.gradient_accumulation_steps} disagrees with {source}={gas}")
+                              f"{args.gradient_accumulation_steps} disagrees with {source.format(gas)}")
     if args.pipeline_model_parallel_size > 1 and args.gradient_accumulation_steps < 1:
         raise ConfigError("--global-batch-size", "pipeline parallelism needs at least one micro-batch per stage")
 
