@@ -39,11 +39,13 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
                                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)], env={})
     if before_validate is not None:
         before_validate(args)
-    validate(args, world)
+    settings = validate(args, world)
+    args = settings.flags
     if after_validate is not None:
         args = replace_args(args, **after_validate(args))
+        settings = settings_from(args)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    run = build_run(settings_from(args), device=torch.device(device), backend="nccl" if device == "cuda" else "gloo",
+    run = build_run(settings, device=torch.device(device), backend="nccl" if device == "cuda" else "gloo",
                     data=False)
     return args, run.built

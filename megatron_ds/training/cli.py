@@ -8,7 +8,7 @@ from typing import NoReturn
 
 from megatron_ds.env_settings import SIGNAL_GRACE
 from megatron_ds.training import memory_estimate
-from megatron_ds.training.arguments import ConfigError, parse_args, print_notices, validate
+from megatron_ds.training.arguments import ConfigError, parse_args, validate
 
 
 def _error(message: str) -> int:
@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
 
     faulthandler.enable(all_threads=True)  # a rank that crashes (SIGSEGV, SIGABRT) shows where, in every thread
     if os.environ.get("RANK", "0") == "0":
-        print_notices(args)
+        for line in settings.notices:
+            print(line, file=sys.stderr)
     from torch.cuda import OutOfMemoryError
 
     from megatron_ds.checkpoint import CheckpointError
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> int:
     from megatron_ds.training.lr_schedule import ScheduleMismatch
 
     try:
-        code = train(args)
+        code = train(settings)
     except (CheckpointError, ScheduleMismatch) as err:  # missing, partial or mismatched --load: a config error
         code = _error(str(err))
     except OutOfMemoryError as err:  # a size this GPU cannot hold: a config error too (no restart would help)

@@ -26,7 +26,7 @@ from megatron_ds.runtime.watchdog import Timeouts
 from megatron_ds.training import warmup
 from megatron_ds.training.data import MicroBatches
 from megatron_ds.training.metrics import MetricsLogger, StepStats, memory_gib, peak_flops, wandb_settings
-from megatron_ds.training.settings import DataSettings, RuntimeSettings, settings_from
+from megatron_ds.training.settings import DataSettings, RuntimeSettings, Settings
 from megatron_ds.training.state import TrainState
 
 
@@ -225,19 +225,17 @@ def startup_line(run) -> str:
 class Trainer:
     """One training run. `run()` returns the process exit code.
 
-    `settings` (training/settings.py) is what the loop and the builder read; `args`, the validated flags, is kept
-    for W&B's run config (every flag as given, the preset's name too)."""
+    `settings` (training/settings.py) is what the loop and the builder read; its flag view is W&B's run config."""
 
-    def __init__(self, args, progress: Progress | None = None):
-        self.args = args
-        self.settings = settings_from(args)
+    def __init__(self, settings: Settings, progress: Progress | None = None):
+        self.settings = settings
         self.progress = progress or Progress.null()  # what the hang watchdog sees (runtime/progress.py)
 
     def setup(self) -> None:
         from megatron_ds.training.build import build_run, pick_device
         from megatron_ds.training.engine import unpatched_step_notice
 
-        args, layout, model, runtime = self.args, self.settings.layout, self.settings.model, self.settings.runtime
+        layout, model, runtime = self.settings.layout, self.settings.model, self.settings.runtime
         self.device = pick_device()
         run = build_run(self.settings, device=self.device)  # process groups, model, engine, data, checkpointer
         self.parallel, self.tokenizer, self.padded_vocab, self.precision = (run.parallel, run.tokenizer,
@@ -278,7 +276,7 @@ class Trainer:
             peak=peak_flops(runtime.peak_tflops), metrics_file=runtime.metrics_file,
             tensorboard_dir=runtime.tensorboard_dir, log_interval=runtime.log_interval,
             straggler_factor=runtime.straggler_factor, rank=self.parallel.rank,
-            wandb=wandb_settings(args))  # W&B's run config: every flag, as stored
+            wandb=wandb_settings(self.settings.flags))  # W&B's run config: every flag, as stored
         # each rank's own work per step, gathered at log points to name a straggler (runtime/stragglers.py)
         self.own_work = OwnWork(self.device, slowdown=slowdown_for_tests(self.parallel.rank),
                                 enabled=layout.world_size > 1 and not self.pipelined and runtime.straggler_factor > 0)
@@ -466,14 +464,14 @@ class Trainer:
             self.metrics.close()
 
 
-def train(args) -> int:
-    """Train in this rank (the CLI has validated `args` and made this process a rank)."""
+def train(settings: Settings) -> int:
+    """Train in this rank (the CLI has validated the flags into `settings` and made this process a rank)."""
     from megatron_ds.parallel.state import destroy
 
-    runtime = settings_from(args).runtime
+    runtime = settings.runtime
     progress = Progress.start(int(os.environ.get("RANK", "0")),
                               Timeouts(runtime.watchdog_timeout, runtime.watchdog_slow_phase_timeout))
-    trainer = Trainer(args, progress)
+    trainer = Trainer(settings, progress)
     try:
         return trainer.run()
     except torch.cuda.OutOfMemoryError as err:

@@ -1,18 +1,18 @@
 """Typed settings of one `entrypoint train` run: frozen sections built from the validated flags.
 
-`validate` (training/arguments/rules.py) checks the parsed flags and fills the derived values; `settings_from`
-then copies each validated value into one section. Every field keeps its flag's name (`--lr-decay-style` is
+`validate` (training/arguments/rules.py) checks the parsed flags and derives the values they leave open;
+`settings_from` copies each value into one section. Every field keeps its flag's name (`--lr-decay-style` is
 `optimizer.lr_decay_style`); lists become tuples. Nothing changes a section after it is built: a variant (a
 checkpoint's layout, a resharding target) is a new one, `dataclasses.replace(section, field=value)`.
 
-The validated Namespace itself is frozen too (`freeze`, the last thing validate does): code that still takes
-`args` reads the same values the sections hold, and a variant of it is `replace_args(args, name=value)`.
+`settings.flags` is the one flag view of them (read-only, by flag name): what W&B records and code that reads
+flags by name takes; a variant of it is `replace_args(flags, name=value)`.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import FrozenInstanceError, dataclass, fields
+from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 NOT_IN_SETTINGS = {
     "argv": "the command line itself: rules read it to tell a given flag from a default",
     "notices": "messages parse_args collected; the CLI prints them once",
-    "preset": "applied by parse_args: its values are in the sections",
 }
 
 
@@ -213,6 +212,7 @@ class RuntimeSettings:
     watchdog_slow_phase_timeout: float
     straggler_factor: float
     max_restarts: int
+    preset: str | None  # the named model size the flags started from (their values are in the sections)
     torch_compile: bool
     tp_comm_overlap: str | None
 
@@ -225,7 +225,7 @@ FIELDS = [f.name for cls in SECTIONS.values() for f in fields(cls)]  # every sec
 
 @dataclass(frozen=True)
 class Settings:
-    """All of a run's validated settings, one section per concern."""
+    """All of a run's validated settings, one section per concern, and the notices for the start-up log."""
 
     model: ModelSettings
     layout: LayoutSettings
@@ -234,6 +234,13 @@ class Settings:
     data: DataSettings
     checkpoint: CheckpointSettings
     runtime: RuntimeSettings
+    notices: tuple[str, ...] = field(default=(), compare=False)  # no-op flags, fallbacks, defaults chosen
+
+    @property
+    def flags(self) -> FrozenNamespace:
+        """Every setting by its flag's name, read-only (flags_of as a Namespace), with the notices."""
+        view = argparse.Namespace(**flags_of(self), notices=list(self.notices))
+        return freeze(view)
 
 
 def _frozen(value: Any) -> Any:
@@ -245,14 +252,14 @@ def section_from(cls: type, args: argparse.Namespace) -> Any:
     return cls(**{f.name: _frozen(getattr(args, f.name)) for f in fields(cls)})
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    """The sections of validated `args` (validate calls it last)."""
-    return Settings(**{name: section_from(cls, args) for name, cls in SECTIONS.items()})
+def settings_from(args: argparse.Namespace, notices: tuple[str, ...] | list[str] = ()) -> Settings:
+    """The sections of validated values `args` (validate calls it last), each attribute its field's."""
+    return Settings(**{name: section_from(cls, args) for name, cls in SECTIONS.items()}, notices=tuple(notices))
 
 
 def flags_of(settings: Settings) -> dict[str, Any]:
     """Every field of every section by its flag's name: what a checkpoint stores as the run's flags."""
-    return {f.name: getattr(section, f.name) for section in vars(settings).values() for f in fields(section)}
+    return {f.name: getattr(getattr(settings, name), f.name) for name, cls in SECTIONS.items() for f in fields(cls)}
 
 
 def model_config(settings: Settings, padded_vocab_size: int, params_dtype: torch.dtype | None = None) -> GPTConfig:

@@ -22,12 +22,11 @@ def main(argv: list[str]) -> None:
         os.environ.setdefault(key, "0")
     for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         os.environ.setdefault(key, "1")
-    args = parse_args(argv)
-    validate(args, 1)
-    trainer = Trainer(args)
+    settings = validate(parse_args(argv), 1)
+    trainer = Trainer(settings)
     trainer.setup()
     for i in range(3):
-        trainer.train_step(i * args.global_batch_size)
+        trainer.train_step(i * settings.layout.global_batch_size)
     cuda = torch.cuda.is_available()  # (on CPU the script runs, and finds nothing to report)
     if cuda:
         torch.cuda.synchronize()
@@ -44,7 +43,7 @@ def main(argv: list[str]) -> None:
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
     try:
-        trainer.train_step(3 * args.global_batch_size)
+        trainer.train_step(3 * settings.layout.global_batch_size)
         trainer._lr()  # what the loop reads every step
     finally:
         if cuda:

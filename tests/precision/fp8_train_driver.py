@@ -21,20 +21,19 @@ def main(argv: list[str]) -> int:
     from megatron_ds.parallel.state import ParallelDims
     from megatron_ds.training.arguments import parse_args, rules_fp8, validate
     from megatron_ds.training.loop import train
+    from megatron_ds.training.settings import settings_from
 
     argv = list(argv)
     at = argv.index("--fp8-format")
     fp8_format = argv[at + 1]
     del argv[at:at + 2]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = parse_args(argv)
-    validate(args, world)
-    args = argparse.Namespace(**vars(args))  # a variant of the validated (frozen) flags, checked again below
+    args = argparse.Namespace(**vars(validate(parse_args(argv), world).flags))  # a variant, checked again below
     args.fp8_format, args.fp8_format_flag = fp8_format, "--fp8-format"
-    args.argv = [*args.argv, "--fp8-format", fp8_format]
+    args.argv = [*argv, "--fp8-format", fp8_format]
     rules_fp8.fp8_flags(args)
     rules_fp8.fp8_shape(args, ParallelDims(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size))
-    return train(args)
+    return train(settings_from(args))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Refusals of the batch and length flags, of a DeepSpeed config file that disagrees with a flag, and a property
-test over the flag table: every combination ends in settings or one ConfigError line, never a traceback."""
+test over the flag table: every combination ends in settings or one ConfigError line, never a traceback, and the
+same one whatever the order of the rules."""
 
 import argparse
 import json
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from megatron_ds.training.arguments import ConfigError, build_parser, parse_args, validate
+from megatron_ds.training.arguments.rules import RULES
 from tests.training.test_arguments import base, files  # noqa: F401 (the fixture)
 
 
@@ -92,10 +94,10 @@ def parser_actions() -> list[argparse.Action]:
     return [a for a in build_parser()._actions if a.option_strings and a.dest not in SKIPPED]
 
 
-def outcome(argv: list[str], world: int) -> str:
+def outcome(argv: list[str], world: int, order=None) -> str:
     """'ok', or the refusal's one line; anything else (a traceback) propagates."""
     try:
-        validate(parse_args(argv, env={}), world)
+        validate(parse_args(argv, env={}), world, order)
     except ConfigError as err:
         assert "\n" not in str(err), str(err)
         return str(err)
@@ -107,8 +109,10 @@ def test_flag_combinations_end_in_settings_or_one_line(files):  # noqa: F811
     for _ in range(2000):
         argv = draw(rng, actions, files)
         world = rng.choice([1, 2, 4])
+        order = rng.sample(RULES, len(RULES))
         try:
             line = outcome(argv, world)
+            assert outcome(argv, world, order) == line  # the rules in another order: the same result
         except Exception as err:  # the defect this test exists to find: name the command line
             raise AssertionError(f"world {world}: {' '.join(argv)}") from err
         outcomes[line] = outcomes.get(line, 0) + 1

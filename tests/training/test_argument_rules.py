@@ -83,7 +83,7 @@ def test_tokenizer_type_defaults_to_gpt2_bpe_and_hf_takes_a_model_directory(file
     i = argv.index("--tokenizer-type")
     del argv[i:i + 2]
     args = parse_args(argv, env={})
-    validate(args, 1)
+    args = validate(args, 1).flags
     assert args.tokenizer_type == "GPT2BPETokenizer"  # pretrain_gpt.py's default
     j = argv.index("--vocab-file")
     with pytest.raises(ConfigError, match="--vocab-file: required by --tokenizer-type GPT2BPETokenizer"):
@@ -119,7 +119,7 @@ def test_deepspeed_config_fills_what_the_flags_left_open(files):
         del argv[i:i + 2]
     args = parse_args(argv, env={})
     assert (args.micro_batch_size, args.lr, args.zero_stage) == (None, None, None)  # parsing reads no file
-    validate(args, 2)
+    args = validate(args, 2).flags
     assert (args.micro_batch_size, args.lr, args.zero_stage, args.global_batch_size) == (4, 3e-4, 1, 8)
     assert args.ds_config_file["optimizer"]["params"]["lr"] == 3e-4
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))

@@ -35,7 +35,7 @@ def check(files, extra, world, flag, text, env=None):
 
 def test_valid_config_fills_derived_values(files):
     args = parse_args(base(files, "--tensor-model-parallel-size", "2", "--global-batch-size", "16"), env={})
-    validate(args, 8)
+    args = validate(args, 8).flags
     assert (args.data_parallel_size, args.gradient_accumulation_steps) == (4, 2)
     assert args.max_position_embeddings == 64 and args.lr_decay_iters == 10 and args.zero_stage == 0
     assert args.attention_backend == "auto" and args.normalization == "LayerNorm"
@@ -43,7 +43,7 @@ def test_valid_config_fills_derived_values(files):
 
 def test_global_batch_defaults_to_micro_times_dp(files):
     args = parse_args(base(files), env={})
-    validate(args, 4)
+    args = validate(args, 4).flags
     assert args.global_batch_size == 8 and args.gradient_accumulation_steps == 1
 
 
@@ -139,7 +139,7 @@ def test_alcf_environment_with_flags_winning(files):
     argv = ["--data-path", files["prefix"], "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
             "--train-iters", "5", "--lr", "1e-4", "--num-layers", "4", "--pipeline-model-parallel-size", "1"]
     args = parse_args(argv, env=env)
-    validate(args, 4)
+    args = validate(args, 4).flags
     assert (args.hidden_size, args.num_layers, args.seq_length, args.micro_batch_size) == (768, 4, 32, 1)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.zero_stage) == (2, 1, 1)
     assert args.sequence_parallel and args.gradient_accumulation_steps == 2 and args.global_batch_size == 4
@@ -167,7 +167,7 @@ def test_torch_compile_needs_a_torch_that_compiles_the_layer(files):
         check(files, ["--torch-compile"], 1, "--torch-compile", "needs torch >= 2.5")
     else:
         args = parse_args(base(files, "--torch-compile"), env={})
-        validate(args, 1)
+        args = validate(args, 1).flags
         assert args.torch_compile
         validate(parse_args(base(files, "--torch-compile", "--pipeline-model-parallel-size", "2"), env={}), 2)
         validate(parse_args(base(files, "--torch-compile", "--tensor-model-parallel-size", "2"), env={}), 2)
@@ -195,15 +195,15 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     --no-torch-compile wins."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
+    from megatron_ds.training.arguments.resolver import Resolver
 
     def resolved(*extra, world=1):
-        args = parse_args(base(files, *extra), env={})
-        rules._torch_compile(args, rules._layout(args, world))
-        return args.torch_compile, [n for n in args.notices if "torch.compile" in n]
+        settings = validate(parse_args(base(files, *extra), env={}), world)
+        return settings.runtime.torch_compile, [n for n in settings.notices if "torch.compile" in n]
 
     args = parse_args(base(files), env={})
     assert args.torch_compile is None  # not given: validation decides
-    validate(args, 1)
+    args = validate(args, 1).flags
     assert args.torch_compile is False and not [n for n in args.notices if "compile" in n]  # this CPU machine
     assert resolved("--tensor-model-parallel-size", "2", world=2) == (False, [])  # CPU: eager, nothing to say
     monkeypatch.setattr(rules, "cuda_gpu_visible", lambda: True)  # what nvidia-smi-less detection says on a GPU node
@@ -220,9 +220,10 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert on is False and "off by default with MoE" in notes[0] and "--torch-compile turns it on" in notes[0]
     assert resolved("--num-experts", "4", "--torch-compile") == (True, [])
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
-    assert "Transformer Engine" in rules.compile_off_reason(te, rules._layout(te, 1))
-    msamp = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={})
-    assert "MS-AMP" in rules.compile_off_reason(msamp, rules._layout(msamp, 1))
+    te = Resolver(te, 1)
+    assert "Transformer Engine" in rules.compile_off_reason(te, te.dims)
+    msamp = Resolver(parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={}), 1)
+    assert "MS-AMP" in rules.compile_off_reason(msamp, msamp.dims)
     # the explicit flag is refused with the words the default's notice uses (compile_off_reason, one list)
     check(files, ["--torch-compile", "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"], 1, "--torch-compile",
           "not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine torchao "
@@ -239,7 +240,7 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
 
     tp2 = ["--tensor-model-parallel-size", "2"]
     args = parse_args(base(files, *tp2), env={})
-    validate(args, 2)
+    args = validate(args, 2).flags
     assert args.tp_comm_overlap is None
     check(files, [*tp2, "--tp-comm-overlap"], 2, "--tp-comm-overlap",
           "scheduled by torch.compile, which is off here")  # this CPU machine: eager by default
@@ -254,16 +255,16 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
 
     def mode(*extra):
         args = parse_args(base(files, *tp2, "--torch-compile", *extra), env={})
-        validate(args, 2)
+        args = validate(args, 2).flags
         return args.tp_comm_overlap
 
     assert mode() == "reorder"  # the default where it can run
     assert mode("--tp-comm-overlap", "none") is None
     args = parse_args(base(files, "--torch-compile"), env={})
-    validate(args, 1)
+    args = validate(args, 1).flags
     assert args.tp_comm_overlap is None  # TP=1: nothing to overlap, so no default
     args = parse_args(base(files, *tp2, "--tp-comm-overlap", "none"), env={})
-    validate(args, 2)
+    args = validate(args, 2).flags
     assert args.tp_comm_overlap is None  # none needs nothing (eager here)
     assert mode("--tp-comm-overlap") == "reorder"  # the bare flag is reorder, with or without SP or CUDA
     assert mode("--tp-comm-overlap", "--sequence-parallel") == "reorder"
@@ -285,7 +286,7 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     assert mode("--tp-comm-overlap", "halves") == "halves"  # with or without SP
     assert mode("--tp-comm-overlap", "halves", "--sequence-parallel") == "halves"
     args = parse_args(base(files, *tp2, "--tp-comm-overlap", "halves", "--no-torch-compile"), env={})
-    validate(args, 2)
+    args = validate(args, 2).flags
     assert args.tp_comm_overlap == "halves"  # eager: the compiled run's twin (same dropout masks)
     check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "halves", "--micro-batch-size", "1"], 2,
           "--tp-comm-overlap", "halves splits each micro batch in two and --micro-batch-size is 1: give at least 2")
@@ -301,7 +302,7 @@ def test_deepspeed_config_must_agree(files):
 
     args = parse_args(base(files, *ds({"train_batch_size": 8, "zero_optimization": {"stage": 1},
                                       "bf16": {"enabled": True}}), "--bf16"), env={})
-    validate(args, 2)
+    args = validate(args, 2).flags
     assert args.global_batch_size == 8 and args.zero_stage == 1 and args.gradient_accumulation_steps == 2
     check(files, [*ds({"train_batch_size": 8}), "--global-batch-size", "4"], 2, "--global-batch-size",
           "disagrees with train_batch_size=8")
@@ -369,7 +370,7 @@ def test_alcf_ulysses_size_from_sp_or_spsize(files):
     assert err.value.flag == "SP_TYPE"
     args = parse_args(base(files, "--ds-sequence-parallel-size", "4"), env={"SP_TYPE": "ds", "SP": "2"})
     assert args.ds_sequence_parallel_size == 4  # the flag wins
-    validate(args, 8)  # mds's own all-to-all: every supported torch and DeepSpeed, torch 2.1 included
+    args = validate(args, 8).flags  # mds's own all-to-all: every supported torch and DeepSpeed, torch 2.1 included
     assert args.data_parallel_size == 2 and args.gradient_accumulation_steps == 1 and args.global_batch_size == 4
 
 
@@ -385,8 +386,7 @@ def test_ulysses_rules_name_the_flag(files):
         with pytest.raises(ConfigError, match="needs torch >= 2.5"):
             validate(compiled, 2)
     else:  # the all-to-all pair compiles with the layer (tests/model/test_gpt_ulysses.py)
-        validate(compiled, 2)
-        assert compiled.torch_compile
+        assert validate(compiled, 2).runtime.torch_compile
 
 
 def test_master_address_and_port_are_torchruns_flags_on_train_too(files, capsys, monkeypatch):

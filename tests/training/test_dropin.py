@@ -79,7 +79,7 @@ def test_script_flags_pass_validation_unchanged(name, tmp_path, demo_corpus, sen
         assert err.value.flag == "--fp16" and FP16_ON_CPU in str(err.value)
         argv = rendered(script, tmp_path, demo_corpus, sentencepiece_model, cpu=True)
     args = parse_args(argv, env={})
-    validate(args, script.world_size)
+    args = validate(args, script.world_size).flags
     assert args.world_size == script.world_size and args.train_iters > 0
     if args.train_samples is not None:  # iterations derived as upstream: samples // global batch (tokens cap)
         expected = args.train_samples // args.global_batch_size
@@ -108,7 +108,7 @@ def test_smallest_scripts_train_end_to_end_on_cpu(name, tmp_path, demo_corpus, s
                             timeout=600)
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     args = parse_args(argv, env={})
-    validate(args, script.world_size)
+    args = validate(args, script.world_size).flags
     assert f"mds train: done, {args.train_iters} iterations" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}

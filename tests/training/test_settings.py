@@ -6,6 +6,7 @@ import json
 import pytest
 
 from megatron_ds.training.arguments import parse_args, validate
+from megatron_ds.training.arguments.resolver import DERIVED
 from megatron_ds.training.settings import NOT_IN_SETTINGS, SECTIONS, Settings, settings_from
 
 
@@ -38,7 +39,7 @@ def test_sections_cover_every_validated_flag(files, extra, monkeypatch):
     monkeypatch.chdir(files)
     args = parse_args(argv(files, *extra), env={})
     settings = validate(args, 2)
-    assert isinstance(settings, Settings) and settings == settings_from(args)
+    assert isinstance(settings, Settings) and settings == settings_from(settings.flags)
     owners = {}
     for name, cls in SECTIONS.items():
         for field in dataclasses.fields(cls):
@@ -47,8 +48,8 @@ def test_sections_cover_every_validated_flag(files, extra, monkeypatch):
     assert not set(owners) & set(NOT_IN_SETTINGS)
     missing = set(vars(args)) - set(owners) - set(NOT_IN_SETTINGS)
     assert not missing, f"validated attributes in no settings section: {sorted(missing)}"
-    for name, section in owners.items():  # each field is the validated value (lists as tuples)
-        value = getattr(args, name)
+    for name, section in owners.items():  # a field no rule derives is the parsed value (lists as tuples)
+        value = getattr(args, name, None) if name not in DERIVED else getattr(getattr(settings, section), name)
         assert getattr(getattr(settings, section), name) == (tuple(value) if isinstance(value, list) else value)
 
 
@@ -67,7 +68,7 @@ def test_settings_are_frozen(files):
     assert variant.tensor_model_parallel_size == 2 and settings.layout.tensor_model_parallel_size == 1
 
 
-def test_validated_args_are_frozen(files):
+def test_the_flag_view_is_frozen(files):
     import copy
     import pickle
 
@@ -75,7 +76,7 @@ def test_validated_args_are_frozen(files):
 
     args = parse_args(argv(files, "--micro-batch-size", "2"), env={})
     args.lr = 2e-3  # before validation the flags may still be filled
-    validate(args, 1)
+    args = validate(args, 1).flags
     assert isinstance(args, FrozenNamespace) and args.lr == 2e-3
     with pytest.raises(dataclasses.FrozenInstanceError, match="args.lr: the settings are fixed at validation"):
         args.lr = 1.0

@@ -170,7 +170,7 @@ def _args(corpus_files, argv, env=None, world_size=1):
             "--vocab-file", str(corpus_files / "vocab.json"), "--merge-file", str(corpus_files / "merges.txt")]
     args = parse_args([*GPT, "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", *data, *argv],
                       env=env or {})
-    validate(args, world_size)
+    args = validate(args, world_size).flags
     return args
 
 

@@ -1,66 +1,53 @@
 """Every rule on the `entrypoint train` values, checked before any process group or device exists.
 
-`validate` runs the rule groups in order; each raises ConfigError naming the flag and the rule (the CLI
-turns it into exit code 2). The layout arithmetic is ParallelDims' and the model-shape rules are the
-model config's: they are called here, not restated.
+`validate` runs the rules of RULES, each a check that reads the flags and the derived values through a Resolver
+(resolver.py) and raises ConfigError naming the flag and the rule (the CLI turns it into exit code 2); none
+changes anything, so they may run in any order. The layout arithmetic is ParallelDims' and the model-shape rules
+are the model config's: they are called here, not restated.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from megatron_ds.env_settings import INDUCTOR_OPTIONS, SettingError
 from megatron_ds.training.arguments import rules_fp8
 from megatron_ds.training.arguments.flags import ConfigError
-from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, fill_from_ds_config
-from megatron_ds.training.settings import Settings, freeze, settings_from
+from megatron_ds.training.arguments.resolver import DERIVED, Resolver, accumulation_steps, without_flag
+from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH
+from megatron_ds.training.settings import FIELDS, Settings, settings_from
 
-REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
-POSITIVE = (*REQUIRED, "--log-interval", "--eval-interval", "--recompute-num-layers")
-# Positive when given (by a flag, the environment or the DeepSpeed config file): None means "not given".
-POSITIVE_IF_GIVEN = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples")
+__all__ = ["RULES", "accumulation_steps", "check_ulysses", "compile_off_reason", "validate"]
+
+POSITIVE = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--log-interval",
+            "--eval-interval", "--recompute-num-layers", "--eval-iters")
 
 if TYPE_CHECKING:  # the model and parallel packages import torch: only the rules that need them load them
     from megatron_ds.parallel.state import ParallelDims
 
 
-def validate(args: argparse.Namespace, world_size: int) -> Settings:
-    """Check every rule (each with its own message), fill derived values on `args`, freeze it (any later write
-    raises: training/settings.py) and return the typed settings.
+def validate(args: argparse.Namespace, world_size: int, order: Sequence[Callable] | None = None) -> Settings:
+    """The frozen Settings of the parsed flags `args` (left as they are), or the ConfigError of a broken rule.
 
-    Sets: world_size, data_parallel_size, global_batch_size (when not given), gradient_accumulation_steps,
-    ds_config_file (parsed dict or None), and what the DeepSpeed config file fills (sources.py).
+    Every rule runs, in `order` (RULES' by default; any permutation gives the same result); of several refusals,
+    the one of the earliest rule in RULES is raised.
     """
-    _required_and_positive(args)
-    fill_from_ds_config(args)
-    _ds_config_agrees(args)
-    _filled_values_given(args)
-    _precision(args)
-    _megatron_equivalents(args)
-    _ds_config_zero_stage(args)
-    _ranks_per_gpu(args)
-    dims = _layout(args, world_size)
-    check_ulysses(args, dims)
-    _model_shape(args, dims)
-    rules_fp8.fp8_shape(args, dims)
-    _parallel_features(args)
-    _moe(args, dims)
-    rules_fp8.msamp_layout(args, dims)
-    _batch(args, dims.dp)
-    _schedule(args)
-    _checkpoints(args)
-    _data_files(args)
-    _tokenizer_inputs(args)
-    _torch_compile(args, dims)
-    _inductor_options(args)
-    _tp_comm_overlap(args, dims)
-    _environment(args)
-    _hangs_and_restarts(args)
-    args.world_size, args.data_parallel_size = world_size, dims.dp
-    return settings_from(freeze(args))
+    view = Resolver(args, world_size)
+    refusals = {}
+    for rule in order or RULES:
+        try:
+            view.run(rule.__name__, functools.partial(rule, view))
+        except ConfigError as err:
+            refusals[RULES.index(rule)] = err
+    if refusals:
+        raise refusals[min(refusals)]
+    values = argparse.Namespace(**{name: getattr(view, name) for name in FIELDS})
+    return settings_from(values, notices=view.notices_in([*DERIVED, *(rule.__name__ for rule in RULES)]))
 
 
 def _dest(flag: str) -> str:
@@ -68,14 +55,9 @@ def _dest(flag: str) -> str:
 
 
 def _required_and_positive(args: argparse.Namespace) -> None:
-    for flag in REQUIRED:
-        if getattr(args, _dest(flag)) is None:
-            raise ConfigError(flag, "is required (give the flag or a --preset that sets it)")
+    """The model's size is given, the intervals positive (their derived values: resolver.DERIVED)."""
     for flag in POSITIVE:
-        if getattr(args, _dest(flag)) <= 0:
-            raise ConfigError(flag, f"must be positive (got {getattr(args, _dest(flag))})")
-    if args.eval_iters < 0:
-        raise ConfigError("--eval-iters", f"must be >= 0 (got {args.eval_iters})")
+        getattr(args, _dest(flag))
 
 
 def _enabled(section) -> bool:
@@ -99,34 +81,22 @@ def _ds_config_agrees(args: argparse.Namespace) -> None:
     if _enabled(ds_file.get("curriculum_learning")):
         raise ConfigError("--deepspeed_config", f"{path} enables curriculum_learning, which mds does not run; set "
                           "its enabled to false (Megatron-DeepSpeed's example configs have it off)")
+    stage = (ds_file.get("zero_optimization") or {}).get("stage")
+    if stage is not None and int(stage) != args.zero_stage:
+        where = f"zero_optimization.stage={stage} in {path}"
+        if args.use_distributed_optimizer and int(stage) == 0:
+            raise ConfigError("--use-distributed-optimizer", f"shards the optimizer state (ZeRO-{args.zero_stage}), "
+                              f"which disagrees with {where}: drop the flag or set the stage to 1 or more")
+        raise ConfigError("--zero-stage", f"{args.zero_stage} disagrees with {where}")
     if "gradient_clipping" in ds_file and "--clip-grad" in args.argv:
         if float(ds_file["gradient_clipping"]) != args.clip_grad:
             raise ConfigError("--clip-grad", f"{args.clip_grad} disagrees with gradient_clipping="
                               f"{ds_file['gradient_clipping']} in {path}")
 
 
-def _ds_config_zero_stage(args: argparse.Namespace) -> None:
-    """The final ZeRO stage (--zero-stage, raised by --use-distributed-optimizer) agrees with the file's."""
-    stage = ((args.ds_config_file or {}).get("zero_optimization") or {}).get("stage")
-    if stage is None or int(stage) == args.zero_stage:
-        return
-    where = f"zero_optimization.stage={stage} in {args.deepspeed_config}"
-    if args.use_distributed_optimizer and int(stage) == 0:
-        raise ConfigError("--use-distributed-optimizer", f"shards the optimizer state (ZeRO-{args.zero_stage}), "
-                          f"which disagrees with {where}: drop the flag or set the stage to 1 or more")
-    raise ConfigError("--zero-stage", f"{args.zero_stage} disagrees with {where}")
-
-
 def _filled_values_given(args: argparse.Namespace) -> None:
-    """The values a flag, the environment or the DeepSpeed config may give: one of them must."""
-    if args.micro_batch_size is None:
-        raise ConfigError("--micro-batch-size", "is required (flag, MICRO_BATCH, or the DeepSpeed config)")
-    for flag in POSITIVE_IF_GIVEN:
-        value = getattr(args, _dest(flag))
-        if value is not None and value <= 0:
-            raise ConfigError(flag, f"must be positive (got {value})")
-    if args.lr is None:
-        raise ConfigError("--lr", "is required (or an optimizer section with params.lr in --deepspeed_config)")
+    """The values a flag, the environment or the DeepSpeed config may give: one of them must (resolver.py)."""
+    args.micro_batch_size, args.global_batch_size, args.train_samples, args.lr  # noqa: B018 (read: checked)
 
 
 def _precision(args: argparse.Namespace) -> None:
@@ -134,11 +104,6 @@ def _precision(args: argparse.Namespace) -> None:
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16", "cannot be combined with --fp16; choose one")
     rules_fp8.fp8_flags(args)
-
-
-def _without_flag(flag: str | None, message: str) -> str:
-    """A library error's message for ConfigError, which prints `flag: rule` (so the flag is not said twice)."""
-    return message[len(flag) + 1:] if flag and message.startswith(flag + " ") else message
 
 
 def _ranks_per_gpu(args: argparse.Namespace) -> None:
@@ -154,15 +119,13 @@ def _ranks_per_gpu(args: argparse.Namespace) -> None:
                                               "--distributed-backend gloo")
 
 
-def _layout(args: argparse.Namespace, world_size: int) -> ParallelDims:
-    """TP x PP x DP x SP = world (ParallelDims' arithmetic; SP is Ulysses, carved out of DP)."""
-    from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
+def _layout(args: argparse.Namespace) -> None:
+    """TP x PP x DP x SP = world (resolver.dims)."""
+    args.dims  # noqa: B018 (read: checked)
 
-    try:
-        return ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                            args.ds_sequence_parallel_size)
-    except ParallelConfigError as err:
-        raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
+
+def _ulysses(args: argparse.Namespace) -> None:
+    check_ulysses(args, args.dims)
 
 
 def check_ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
@@ -176,7 +139,7 @@ def check_ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
     try:
         check_ulysses_heads(args.num_attention_heads, args.num_key_value_heads or args.num_attention_heads, sp)
     except ValueError as err:
-        raise ConfigError("--ds-sequence-parallel-size", _without_flag("--ds-sequence-parallel-size", str(err))) \
+        raise ConfigError("--ds-sequence-parallel-size", without_flag("--ds-sequence-parallel-size", str(err))) \
             from None
     if args.seq_length % sp:
         raise ConfigError("--ds-sequence-parallel-size", f"{sp} does not divide --seq-length {args.seq_length} "
@@ -193,7 +156,7 @@ def check_ulysses(args: argparse.Namespace, dims: ParallelDims) -> None:
                           "reduction spans the whole world, not the data x sequence parallel group")
 
 
-def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
+def _model_shape(args: argparse.Namespace) -> None:
     """The model config's shape rules at this TP size (the vocabulary is checked once the tokenizer exists),
     and at least one layer on every pipeline stage (parallel/pipeline_split.py)."""
     from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
@@ -201,40 +164,30 @@ def _model_shape(args: argparse.Namespace, dims: ParallelDims) -> None:
     from megatron_ds.parallel.state import ParallelConfigError
 
     try:
-        check_shape(**shape_of(args), tp=dims.tp)
-        stage_layers(args.num_layers, dims.pp, last=args.decoder_last_pipeline_num_layers)
+        check_shape(**shape_of(args), tp=args.dims.tp)
+        stage_layers(args.num_layers, args.dims.pp, last=args.decoder_last_pipeline_num_layers)
     except (ModelConfigError, ParallelConfigError) as err:
-        raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
+        raise ConfigError(err.flag, without_flag(err.flag, str(err))) from None
 
 
-def _megatron_equivalents(args: argparse.Namespace) -> None:
-    """Megatron switches that map onto mds's own: activation recompute, the distributed optimizer."""
-    if args.recompute_activations:  # Megatron: --recompute-activations means selective recompute
-        args.recompute_granularity = "selective"
-    if args.checkpoint_activations and args.recompute_granularity is None:
-        args.recompute_granularity, args.recompute_method = "full", args.recompute_method or "uniform"
-    if args.recompute_granularity == "full" and args.recompute_method is None:
+def _recompute(args: argparse.Namespace) -> None:
+    """Activation recompute in Megatron's terms (--recompute-activations and --checkpoint-activations map onto
+    them: resolver.py); the rotated fraction of each head."""
+    granularity, method = args.recompute_granularity, args.recompute_method
+    if granularity == "full" and method is None:
         raise ConfigError("--recompute-granularity", "full needs --recompute-method uniform or block")
-    if args.recompute_granularity == "selective" and args.recompute_method is not None:
+    if granularity == "selective" and method is not None:
         raise ConfigError("--recompute-method", "applies to --recompute-granularity full only (selective recomputes "
                           "the core attention of every layer)")
-    if args.recompute_granularity is None and args.recompute_method is not None:
+    if granularity is None and method is not None:
         raise ConfigError("--recompute-method", "needs --recompute-granularity full")
     if not 0.0 < args.rotary_percent <= 1.0:
         raise ConfigError("--rotary-percent", f"must be within (0, 1] (got {args.rotary_percent})")
-    if args.use_distributed_optimizer:
-        if args.zero_stage == 0:
-            args.zero_stage = 1
-        args.notices.append(f"note: --use-distributed-optimizer: optimizer state is sharded over data-parallel "
-                            f"ranks by DeepSpeed ZeRO-{args.zero_stage}")
 
 
 def _parallel_features(args: argparse.Namespace) -> None:
     """Sequence parallelism, ZeRO and the pipeline engine, each where it can run."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if args.sequence_parallel and tp == 1:  # as Megatron: nothing to split the sequence over
-        args.sequence_parallel = False
-        args.notices.append("note: --sequence-parallel has no effect with --tensor-model-parallel-size 1; off")
+    pp = args.pipeline_model_parallel_size
     if args.zero_stage >= 2 and pp > 1:
         raise ConfigError("--zero-stage", f"ZeRO-{args.zero_stage} cannot be combined with pipeline parallelism "
                           f"(PP={pp}): DeepSpeed's pipeline engine supports ZeRO-0/1 only. Use ZeRO-1, or "
@@ -250,7 +203,7 @@ def _parallel_features(args: argparse.Namespace) -> None:
         raise ConfigError("--no-pipeline-parallel", f"conflicts with --pipeline-model-parallel-size {pp}")
 
 
-def _moe(args: argparse.Namespace, dims: ParallelDims) -> None:
+def _moe(args: argparse.Namespace) -> None:
     """Mixture of Experts where it runs: the model config's rules (model/moe.py), then the layouts. Expert
     parallelism is carved out of data parallelism; what mds does not run (yet) is refused, naming the flag."""
     from megatron_ds.model.moe import MoEConfigError, check_moe_of, experts_per_layer
@@ -258,12 +211,12 @@ def _moe(args: argparse.Namespace, dims: ParallelDims) -> None:
     try:
         check_moe_of(args)
     except MoEConfigError as err:
-        raise ConfigError(err.flag, _without_flag(err.flag, str(err))) from None
+        raise ConfigError(err.flag, without_flag(err.flag, str(err))) from None
     if max(experts_per_layer(args.num_layers, args.num_experts, args.expert_interval)) <= 1:
         if args.moe_expert_parallel_size != 1:
             raise ConfigError("--moe-expert-parallel-size", "needs experts: give --num-experts N (N > 1)")
         return
-    ep, refuse = args.moe_expert_parallel_size, "with --num-experts > 1"
+    ep, refuse, dims = args.moe_expert_parallel_size, "with --num-experts > 1", args.dims
     if dims.pp > 1:  # as upstream's MoE scripts: "MoE is not compatible with pipeline parallel"
         raise ConfigError("--pipeline-model-parallel-size", f"{dims.pp} {refuse}: MoE does not run under pipeline "
                           "parallelism (Megatron-DeepSpeed neither); use --pipeline-model-parallel-size 1 "
@@ -293,69 +246,37 @@ def _moe(args: argparse.Namespace, dims: ParallelDims) -> None:
         raise ConfigError("--fp8-format", f"{refuse}: FP8 experts are not supported; drop the FP8 flags")
 
 
-def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
-    """Micro-batches per optimizer step: global = micro x DP x accumulation, which must divide exactly."""
-    per_step = micro_batch_size * dp
-    if global_batch_size % per_step != 0:
-        raise ConfigError("--global-batch-size", f"{global_batch_size} is not divisible by --micro-batch-size "
-                          f"{micro_batch_size} x data-parallel size {dp} = {per_step}")
-    return global_batch_size // per_step
-
-
-def _batch(args: argparse.Namespace, dp: int) -> None:
-    """global = micro x DP x gradient accumulation; GAS and the DeepSpeed config must agree with it."""
-    ds_gas = (args.ds_config_file or {}).get("gradient_accumulation_steps")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp * int(args.gradient_accumulation_steps_env or ds_gas or 1)
-    args.gradient_accumulation_steps = accumulation_steps(args.global_batch_size, args.micro_batch_size, dp)
+def _batch(args: argparse.Namespace) -> None:
+    """global = micro x DP x gradient accumulation (resolver.py); GAS and the DeepSpeed config agree with it."""
+    steps, dp = args.gradient_accumulation_steps, args.data_parallel_size
     for source, gas in [("GAS={}", args.gradient_accumulation_steps_env),
-                        (f"gradient_accumulation_steps={{}} in {args.deepspeed_config}", ds_gas)]:
-        if gas not in (None, "auto") and int(gas) != args.gradient_accumulation_steps:
+                        (f"gradient_accumulation_steps={{}} in {args.deepspeed_config}",
+                         (args.ds_config_file or {}).get("gradient_accumulation_steps"))]:
+        if gas not in (None, "auto") and int(gas) != steps:
             raise ConfigError("--global-batch-size", f"{args.global_batch_size} = {args.micro_batch_size} x DP {dp} x "
-                              f"{args.gradient_accumulation_steps} disagrees with {source.format(gas)}")
-    if args.pipeline_model_parallel_size > 1 and args.gradient_accumulation_steps < 1:
+                              f"{steps} disagrees with {source.format(gas)}")
+    if args.pipeline_model_parallel_size > 1 and steps < 1:
         raise ConfigError("--global-batch-size", "pipeline parallelism needs at least one micro-batch per stage")
 
 
 def _training_length(args: argparse.Namespace) -> None:
-    """Iteration- or sample-based training, as Megatron-DeepSpeed: one of --train-iters / --train-samples, each
-    with its own decay and warmup flags; --train-tokens also ends the run once that many tokens are consumed."""
-    given = {flag: getattr(args, _dest(flag)) for flag in ("--lr-decay-iters", "--lr-warmup-iters",
-                                                           "--lr-decay-samples", "--lr-warmup-samples")}
+    """Iteration- or sample-based training, as Megatron-DeepSpeed: one of --train-iters / --train-samples (the
+    length: resolver.train_iters), each with its own decay and warmup flags."""
+    args.train_iters  # noqa: B018 (read: checked)
     if args.train_samples is not None:
-        if args.train_iters is not None:
-            raise ConfigError("--train-samples", "give either --train-iters or --train-samples, not both")
-        for flag in ("--lr-decay-iters", "--lr-warmup-iters"):
-            if given[flag]:
-                raise ConfigError(flag, "sample-based training (--train-samples) takes --lr-decay-samples and "
-                                  "--lr-warmup-samples")
-        args.train_iters = args.train_samples // args.global_batch_size
-        if args.train_iters <= 0:
-            raise ConfigError("--train-samples", f"{args.train_samples} is less than one global batch "
-                              f"({args.global_batch_size})")
-        if args.lr_decay_samples is None:
-            args.lr_decay_samples = args.train_samples
+        wrong, right = ("--lr-decay-iters", "--lr-warmup-iters"), ("sample-based training (--train-samples) takes "
+                                                                  "--lr-decay-samples and --lr-warmup-samples")
     else:
-        if args.train_iters is None:
-            raise ConfigError("--train-iters", "is required (or --train-samples; a --preset does not set it)")
-        if args.train_iters <= 0:
-            raise ConfigError("--train-iters", f"must be positive (got {args.train_iters})")
-        for flag in ("--lr-decay-samples", "--lr-warmup-samples"):
-            if given[flag]:
-                raise ConfigError(flag, "needs sample-based training (--train-samples instead of --train-iters)")
-        if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
-    if args.train_tokens is not None:
-        if args.train_tokens <= 0:
-            raise ConfigError("--train-tokens", f"must be positive (got {args.train_tokens})")
-        per_iteration = args.global_batch_size * args.seq_length
-        args.train_iters = min(args.train_iters, -(-args.train_tokens // per_iteration))
+        wrong, right = ("--lr-decay-samples", "--lr-warmup-samples"), ("needs sample-based training "
+                                                                      "(--train-samples instead of --train-iters)")
+    for flag in wrong:
+        if args.given(_dest(flag)):
+            raise ConfigError(flag, right)
 
 
 def _schedule(args: argparse.Namespace) -> None:
     from megatron_ds.training.lr_schedule import schedule_for
 
-    _training_length(args)
     warmups = [flag for flag in ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-tokens")
                if getattr(args, _dest(flag))]
     if args.lr_warmup_fraction is not None:
@@ -517,31 +438,10 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
     return None
 
 
-def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
-    """--torch-compile given: refused where mds does not compile (compile_off_reason). Not given: on by default
-    with a CUDA GPU where mds compiles (measured faster there: bench/RESULTS.md); eager on CPU, where compiling
-    costs more than it saves in small runs and CI. Runs before the environment rules, so their compile notices
-    see the decision."""
-    if args.torch_compile:
-        why = compile_off_reason(args, dims)
-        if why is not None:
-            raise ConfigError("--torch-compile", f"{why}; drop --torch-compile")
-        return
-    if args.torch_compile is not None:
-        return
-    args.torch_compile = False
-    if not cuda_gpu_visible():
-        return
-    if max(getattr(args, "num_experts", None) or [1]) > 1:
-        args.notices.append("note: torch.compile is off by default with MoE: the expert layers compile their attention "
-                            "only (DeepSpeed's gate reads the capacity on the host) and that is not yet measured "
-                            "against eager on a GPU; --torch-compile turns it on")
-        return
-    why = compile_off_reason(args, dims)
-    if why is None:
-        args.torch_compile = True
-    else:
-        args.notices.append(f"note: torch.compile is off by default here: {why}")
+def _torch_compile(args: argparse.Namespace) -> None:
+    """Compiled where asked and mds compiles, else eager (resolver.torch_compile). Read before the environment
+    rules' compile notices, which see the decision."""
+    args.torch_compile  # noqa: B018 (read: checked)
 
 
 def _inductor_options(args: argparse.Namespace) -> None:
@@ -554,19 +454,13 @@ def _inductor_options(args: argparse.Namespace) -> None:
             raise ConfigError(err.name, f"{err.value!r} {err.problem}") from None
 
 
-def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
+def _tp_comm_overlap(args: argparse.Namespace) -> None:
     """--tp-comm-overlap is a schedule the compiler makes: it needs TP > 1 and the compiled layers; pipeline and
     chunked also --sequence-parallel, pipeline CUDA as well (symmetric memory). halves needs a micro batch of 2 or
     more, and runs eagerly too (nothing overlaps there, but its dropout masks are the compiled run's). Without the
     flag, reorder wherever it can run; the bare flag becomes the mode that runs here; none is off."""
-    from megatron_ds.parallel.overlap import default_mode, resolve_mode
-
-    if args.tp_comm_overlap is None:
-        args.tp_comm_overlap = default_mode(dims.tp, args.torch_compile)
-        return
-    mode = resolve_mode(args.tp_comm_overlap)
-    if mode is None:  # none: off, whatever the layout
-        args.tp_comm_overlap = None
+    mode, dims = args.tp_comm_overlap, args.dims
+    if args.given("tp_comm_overlap") is None or mode is None:  # the default, or none: off whatever the layout
         return
     flag = "--tp-comm-overlap"
     if dims.tp == 1:
@@ -591,5 +485,25 @@ def _tp_comm_overlap(args: argparse.Namespace, dims: ParallelDims) -> None:
     if mode == "pipeline" and not cuda_gpu_visible():
         raise ConfigError(flag, "pipeline exchanges its chunks through CUDA symmetric memory and no CUDA GPU is "
                           "visible here (reorder runs wherever the layers compile)")
-    args.tp_comm_overlap = mode
+
+
+def _fp8_shape(args: argparse.Namespace) -> None:
+    rules_fp8.fp8_shape(args, args.dims)
+
+
+def _msamp_layout(args: argparse.Namespace) -> None:
+    rules_fp8.msamp_layout(args, args.dims)
+
+
+def _every_setting(args: argparse.Namespace) -> None:
+    """Every value the Settings hold can be derived (the rules above read most of them)."""
+    for name in FIELDS:
+        getattr(args, name)
+
+
+# Every rule, each stated once. The order only decides which refusal is raised when several rules refuse.
+RULES = (_required_and_positive, _ds_config_agrees, _filled_values_given, _precision, _recompute, _ranks_per_gpu,
+         _layout, _ulysses, _model_shape, _fp8_shape, _parallel_features, _moe, _msamp_layout, _batch,
+         _training_length, _schedule, _checkpoints, _data_files, _tokenizer_inputs, _torch_compile,
+         _inductor_options, _tp_comm_overlap, _environment, _hangs_and_restarts, _every_setting)
 
