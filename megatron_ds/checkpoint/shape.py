@@ -13,20 +13,10 @@ import hashlib
 import os
 from argparse import Namespace
 
-# field -> how a user changes it (named in the mismatch message)
-SHAPE_FLAGS = {
-    "num_layers": "--num-layers",
-    "hidden_size": "--hidden-size",
-    "num_attention_heads": "--num-attention-heads",
-    "num_key_value_heads": "--num-key-value-heads",
-    "ffn_hidden_size": "--ffn-hidden-size",
-    "position_embedding_type": "--position-embedding-type",
-    "max_position_embeddings": "--max-position-embeddings",
-    "normalization": "--normalization",
-    "swiglu": "--swiglu",
-    "add_bias_linear": "--disable-bias-linear",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-}
+from megatron_ds.model.config import weight_flags
+
+# field -> how a user changes it (named in the mismatch message): GPTConfig's fields that shape the weights
+SHAPE_FLAGS = weight_flags()
 _TOKENIZER_FLAGS = "--tokenizer-type/--vocab-file/--merge-file/--tokenizer-model/--vocab-size"
 
 
@@ -59,19 +49,13 @@ def tokenizer_vocab_size(args: Namespace) -> int | None:
 
 
 def gpt_config(args: Namespace, padded_vocab_size: int):
-    """The GPTConfig whose weights these flags fix (GPTConfig resolves the defaults: kv heads, ffn size)."""
-    from megatron_ds.model.config import GPTConfig
+    """The GPTConfig whose weights these flags fix: training's (settings.model_config), the flags a Namespace
+    lacks or leaves None taking the parser's defaults (a stored or a test's Namespace)."""
+    from megatron_ds.training.arguments import settings_from_stored
+    from megatron_ds.training.settings import model_config
 
-    return GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=padded_vocab_size, seq_length=args.seq_length,
-        max_position_embeddings=getattr(args, "max_position_embeddings", None),
-        num_key_value_heads=getattr(args, "num_key_value_heads", None),
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
-        position_embedding_type=getattr(args, "position_embedding_type", None) or "learned_absolute",
-        normalization=getattr(args, "normalization", None) or "LayerNorm", swiglu=bool(getattr(args, "swiglu", False)),
-        add_bias_linear=not getattr(args, "disable_bias_linear", False),
-        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)))
+    given = {name: value for name, value in vars(args).items() if value is not None}
+    return model_config(settings_from_stored(given), padded_vocab_size)
 
 
 def padded_vocab_size(vocab_size: int, args: Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
@@ -81,6 +81,44 @@ def check_shape(*, num_layers: int, hidden_size: int, num_attention_heads: int, 
     _need(not torch_compile or compile_problem(tp) is None, "--torch-compile", f"--torch-compile {compile_problem(tp)}")
 
 
+def recompute_of(granularity: str | None, method: str | None, checkpoint_activations: bool = False,
+                 recompute_activations: bool = False) -> tuple[str | None, str | None]:
+    """Megatron's switches in its recompute terms: --recompute-activations is selective, --checkpoint-activations
+    (without a granularity) full and, unless given, uniform."""
+    if recompute_activations:
+        return "selective", method
+    if checkpoint_activations and granularity is None:
+        return "full", method or "uniform"
+    return granularity, method
+
+
+def check_recompute(granularity: str | None, method: str | None, num_layers: int) -> None:
+    """Activation recompute, Megatron's terms: full (uniform or block) or selective (the core attention only)."""
+    _need(granularity in (None, "full", "selective"), "--recompute-granularity",
+          f"--recompute-granularity must be full or selective, got {granularity!r}")
+    _need(granularity != "full" or method in ("uniform", "block"), "--recompute-granularity",
+          "--recompute-granularity full needs --recompute-method uniform or block")
+    _need(granularity != "selective" or method is None, "--recompute-method",
+          "--recompute-method applies to --recompute-granularity full only (selective recomputes the core "
+          "attention of every layer)")
+    _need(granularity is not None or method is None, "--recompute-method",
+          "--recompute-method needs --recompute-granularity full")
+    _need(num_layers >= 1, "--recompute-num-layers", f"--recompute-num-layers must be >= 1, got {num_layers}")
+
+
+def check_overlap(mode: str | None, torch_compile: bool, sequence_parallel: bool) -> None:
+    """--tp-comm-overlap is a schedule the compiler makes (halves also runs eagerly, as the compiled run's twin);
+    pipeline and chunked split the sequence-parallel collectives."""
+    flag = "--tp-comm-overlap"
+    _need(mode in (None, *OVERLAP_MODES), flag, f"{flag} must be one of {', '.join(OVERLAP_MODES)}, got {mode!r}")
+    _need(mode in (None, "halves") or torch_compile, flag,
+          f"{flag} {mode}: the overlap is scheduled by torch.compile, which is off here (--no-torch-compile, or "
+          "eager by default: CPU, ROCm, or a layout mds does not compile); give --torch-compile or drop the flag")
+    _need(mode not in ("pipeline", "chunked") or sequence_parallel, flag,
+          f"{flag} {mode} splits the sequence-parallel all-gathers and reduce-scatters: it needs "
+          "--sequence-parallel (reorder works without)")
+
+
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_key_value_heads",
                 "ffn_hidden_size", "max_position_embeddings", "swiglu", "position_embedding_type", "normalization",
                 "rotary_percent", "sequence_parallel", "torch_compile")
@@ -102,25 +140,30 @@ def rotary_dim(head_dim: int, rotary_percent: float) -> int:
     return int(head_dim * rotary_percent)
 
 
+def _weights(flag: str, default=MISSING):
+    """A field that shapes the weights (a checkpoint records it; a load compares it), with the flag that sets it."""
+    return field(default=default, metadata={"flag": flag})
+
+
 @dataclass
 class GPTConfig:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
+    num_layers: int = _weights("--num-layers")
+    hidden_size: int = _weights("--hidden-size")
+    num_attention_heads: int = _weights("--num-attention-heads")
     vocab_size: int  # already padded (Megatron pads to a multiple of 128 * tp)
     seq_length: int
-    max_position_embeddings: int | None = None  # defaults to seq_length
-    num_key_value_heads: int | None = None  # GQA; None means = num_attention_heads (plain MHA)
-    ffn_hidden_size: int | None = None  # None: 4h, or Megatron's LLaMA rule for swiglu (see __post_init__)
-    position_embedding_type: str = "learned_absolute"  # or "rope"
+    max_position_embeddings: int | None = _weights("--max-position-embeddings", None)  # defaults to seq_length
+    num_key_value_heads: int | None = _weights("--num-key-value-heads", None)  # GQA; None: = heads (plain MHA)
+    ffn_hidden_size: int | None = _weights("--ffn-hidden-size", None)  # None: 4h, or the swiglu rule (__post_init__)
+    position_embedding_type: str = _weights("--position-embedding-type", "learned_absolute")  # or "rope"
     rotary_base: int = 10000
     rotary_percent: float = 1.0  # fraction of each head's dims that rotate (the first ones)
-    normalization: str = "LayerNorm"  # or "RMSNorm"
+    normalization: str = _weights("--normalization", "LayerNorm")  # or "RMSNorm"
     norm_epsilon: float = 1e-5
-    swiglu: bool = False
+    swiglu: bool = _weights("--swiglu", False)
     openai_gelu: bool = False  # GeLU's tanh approximation (Megatron's --openai-gelu and fused bias-GeLU, GPT-2's)
-    add_bias_linear: bool = True
-    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = _weights("--disable-bias-linear", True)
+    untie_embeddings_and_output_weights: bool = _weights("--untie-embeddings-and-output-weights", False)
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -158,8 +201,8 @@ class GPTConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
-        if self.checkpoint_activations and self.recompute_granularity is None:
-            self.recompute_granularity, self.recompute_method = "full", "uniform"
+        self.recompute_granularity, self.recompute_method = recompute_of(
+            self.recompute_granularity, self.recompute_method, self.checkpoint_activations)
         self.num_experts = tuple(self.num_experts)
         self.validate()
 
@@ -183,13 +226,7 @@ class GPTConfig:
     def validate(self, tp: int = 1) -> None:
         """Raise ModelConfigError naming the flag when this shape cannot run at tensor-parallel size tp."""
         check_shape(**shape_of(self), tp=tp)
-        _need(self.recompute_granularity in (None, "full", "selective"), "--recompute-granularity",
-              f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}")
-        _need(self.recompute_granularity != "full" or self.recompute_method in ("uniform", "block"),
-              "--recompute-method", f"--recompute-granularity full needs --recompute-method uniform or block, got "
-              f"{self.recompute_method!r}")
-        _need(self.recompute_num_layers >= 1, "--recompute-num-layers",
-              f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+        check_recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
         _need(self.vocab_size >= 1, None, f"--vocab-size must be >= 1, got {self.vocab_size}")
         _need(self.vocab_size % tp == 0, None,
               f"padded vocabulary size {self.vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
@@ -197,13 +234,7 @@ class GPTConfig:
               f"attention backend must be auto, flash2, sdpa or reference, got {self.attention_backend!r}")
         _need(self.params_dtype in (torch.float32, torch.bfloat16, torch.float16), None,
               f"params_dtype must be float32, bfloat16 or float16, got {self.params_dtype}")
-        _need(self.tp_comm_overlap in (None, *OVERLAP_MODES), "--tp-comm-overlap",
-              f"--tp-comm-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.tp_comm_overlap!r}")
-        _need(self.tp_comm_overlap in (None, "halves") or self.torch_compile, "--tp-comm-overlap",
-              "--tp-comm-overlap is scheduled by torch.compile: it needs the compiled layers")
-        _need(self.tp_comm_overlap not in ("pipeline", "chunked") or self.sequence_parallel, "--tp-comm-overlap",
-              f"--tp-comm-overlap {self.tp_comm_overlap} splits the sequence-parallel all-gathers and "
-              "reduce-scatters: it needs --sequence-parallel")
+        check_overlap(self.tp_comm_overlap, self.torch_compile, self.sequence_parallel)
         try:
             check_moe_of(self)
         except MoEConfigError as err:
@@ -280,3 +311,8 @@ class GPTConfig:
             if not self.tied_embeddings:
                 total += self.vocab_size * h
         return total
+
+
+def weight_flags() -> dict[str, str]:
+    """GPTConfig's fields that shape the weights -> the flag that sets each (their `_weights` declaration)."""
+    return {f.name: f.metadata["flag"] for f in fields(GPTConfig) if "flag" in f.metadata}

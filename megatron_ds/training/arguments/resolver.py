@@ -153,20 +153,12 @@ def lr(view: Resolver) -> float:
     return value
 
 
-def recompute_granularity(view: Resolver) -> str | None:
-    """Megatron's switches: --recompute-activations is selective, --checkpoint-activations full."""
-    if view.recompute_activations:
-        return "selective"
-    granularity = view.given("recompute_granularity")
-    return "full" if view.checkpoint_activations and granularity is None else granularity
+def recompute(view: Resolver) -> tuple[str | None, str | None]:
+    """(granularity, method): Megatron's switches in its terms (model.config.recompute_of)."""
+    from megatron_ds.model.config import recompute_of
 
-
-def recompute_method(view: Resolver) -> str | None:
-    method = view.given("recompute_method")
-    granularity = view.given("recompute_granularity")
-    if view.checkpoint_activations and granularity is None and not view.recompute_activations:
-        return method or "uniform"
-    return method
+    return recompute_of(view.given("recompute_granularity"), view.given("recompute_method"),
+                        view.checkpoint_activations, view.recompute_activations)
 
 
 def sequence_parallel(view: Resolver) -> bool:
@@ -279,8 +271,8 @@ DERIVED: dict[str, Callable[[Resolver], Any]] = {
                                                                    view.data_parallel_size),
     "zero_stage": zero_stage,
     "lr": lr,
-    "recompute_granularity": recompute_granularity,
-    "recompute_method": recompute_method,
+    "recompute_granularity": lambda view: recompute(view)[0],
+    "recompute_method": lambda view: recompute(view)[1],
     "sequence_parallel": sequence_parallel,
     "dims": dims,
     "world_size": lambda view: view.world,

@@ -173,14 +173,12 @@ def _model_shape(args: argparse.Namespace) -> None:
 def _recompute(args: argparse.Namespace) -> None:
     """Activation recompute in Megatron's terms (--recompute-activations and --checkpoint-activations map onto
     them: resolver.py); the rotated fraction of each head."""
-    granularity, method = args.recompute_granularity, args.recompute_method
-    if granularity == "full" and method is None:
-        raise ConfigError("--recompute-granularity", "full needs --recompute-method uniform or block")
-    if granularity == "selective" and method is not None:
-        raise ConfigError("--recompute-method", "applies to --recompute-granularity full only (selective recomputes "
-                          "the core attention of every layer)")
-    if granularity is None and method is not None:
-        raise ConfigError("--recompute-method", "needs --recompute-granularity full")
+    from megatron_ds.model.config import ModelConfigError, check_recompute
+
+    try:
+        check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    except ModelConfigError as err:
+        raise ConfigError(err.flag, without_flag(err.flag, str(err))) from None
     if not 0.0 < args.rotary_percent <= 1.0:
         raise ConfigError("--rotary-percent", f"must be within (0, 1] (got {args.rotary_percent})")
 
@@ -465,13 +463,12 @@ def _tp_comm_overlap(args: argparse.Namespace) -> None:
     flag = "--tp-comm-overlap"
     if dims.tp == 1:
         raise ConfigError(flag, "needs --tensor-model-parallel-size > 1: there is no TP communication to overlap")
-    if not args.torch_compile and mode != "halves":  # eager halves: the compiled run's twin, same dropout masks
-        raise ConfigError(flag, "the overlap is scheduled by torch.compile, which is off here (--no-torch-compile, "
-                          "or eager by default: CPU, ROCm, or a layout mds does not compile); give --torch-compile "
-                          "or drop the flag")
-    if mode in ("pipeline", "chunked") and not args.sequence_parallel:
-        raise ConfigError(flag, f"{mode} splits the sequence-parallel all-gathers and reduce-scatters: it needs "
-                          "--sequence-parallel (reorder works without)")
+    from megatron_ds.model.config import ModelConfigError, check_overlap
+
+    try:
+        check_overlap(mode, args.torch_compile, args.sequence_parallel)
+    except ModelConfigError as err:
+        raise ConfigError(flag, without_flag(flag, str(err))) from None
     if mode in ("chunked", "halves"):
         from megatron_ds.precision.fp8 import fp8_requested
 
