@@ -3,8 +3,10 @@
 - flags.py: the flag table (argparse parser, accepted no-ops) and ConfigError.
 - sources.py: precedence explicit flag > ALCF environment variable > --preset > Megatron's default; the
   DeepSpeed config file fills what the flags left open.
-- rules.py: `validate` checks every rule before any process group or device exists and raises ConfigError
-  naming the flag and the rule; the CLI turns that into exit code 2.
+- resolver.py: the values validation derives (batch sizes, ZeRO stage, recompute, training length, compile, ...),
+  each computed when first read.
+- rules.py: `validate` checks every rule before any process group or device exists and returns the frozen
+  Settings, or raises ConfigError naming the flag and the rule; the CLI turns that into exit code 2.
 - rules_fp8.py: the FP8 rules validate calls (flags, GEMM sizes, MS-AMP's levels and layouts, the engine's library
   and the GPU).
 """
@@ -15,10 +17,9 @@ from megatron_ds.training.arguments.flags import (
     NO_OP_WITH_VALUE,
     ConfigError,
     build_parser,
-    print_notices,
 )
 from megatron_ds.training.arguments.rules import accumulation_steps, validate
 from megatron_ds.training.arguments.sources import load_ds_config, parse_args, settings_from_stored
 
 __all__ = ["NO_OP_SWITCHES", "NO_OP_WITH_VALUE", "ConfigError", "accumulation_steps", "build_parser",
-           "load_ds_config", "pad_vocab_size", "parse_args", "print_notices", "settings_from_stored", "validate"]
+           "load_ds_config", "pad_vocab_size", "parse_args", "settings_from_stored", "validate"]

@@ -6,7 +6,6 @@ Flags that can be filled from elsewhere (sources.py) default to None so that "th
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_ds.data.tokenizers import TOKENIZER_TYPES
 from megatron_ds.parallel.overlap import MODES as OVERLAP_MODES
@@ -389,9 +388,3 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (allowed, why) in NO_OP_WITH_VALUE.items():
         group.add_argument(name, action=_NoOp, allowed=allowed, why=why, help=f"no-op: {why}")
     return p
-
-
-def print_notices(args: argparse.Namespace, stream=sys.stderr) -> None:
-    """The no-op and fallback notices parse_args collected, for the start-up log."""
-    for line in args.notices:
-        print(line, file=stream)
