@@ -54,10 +54,15 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def _derive(args: argparse.Namespace, *names: str) -> None:
+    """Derive these values (resolver.DERIVED): their refusals are this rule's."""
+    for name in names:
+        getattr(args, name)
+
+
 def _required_and_positive(args: argparse.Namespace) -> None:
     """The model's size is given, the intervals positive (their derived values: resolver.DERIVED)."""
-    for flag in POSITIVE:
-        getattr(args, _dest(flag))
+    _derive(args, *map(_dest, POSITIVE))
 
 
 def _enabled(section) -> bool:
@@ -96,7 +101,7 @@ def _ds_config_agrees(args: argparse.Namespace) -> None:
 
 def _filled_values_given(args: argparse.Namespace) -> None:
     """The values a flag, the environment or the DeepSpeed config may give: one of them must (resolver.py)."""
-    args.micro_batch_size, args.global_batch_size, args.train_samples, args.lr  # noqa: B018 (read: checked)
+    _derive(args, "micro_batch_size", "global_batch_size", "train_samples", "lr")
 
 
 def _precision(args: argparse.Namespace) -> None:
@@ -121,7 +126,7 @@ def _ranks_per_gpu(args: argparse.Namespace) -> None:
 
 def _layout(args: argparse.Namespace) -> None:
     """TP x PP x DP x SP = world (resolver.dims)."""
-    args.dims  # noqa: B018 (read: checked)
+    _derive(args, "dims")
 
 
 def _ulysses(args: argparse.Namespace) -> None:
@@ -260,7 +265,7 @@ def _batch(args: argparse.Namespace) -> None:
 def _training_length(args: argparse.Namespace) -> None:
     """Iteration- or sample-based training, as Megatron-DeepSpeed: one of --train-iters / --train-samples (the
     length: resolver.train_iters), each with its own decay and warmup flags."""
-    args.train_iters  # noqa: B018 (read: checked)
+    _derive(args, "train_iters")
     if args.train_samples is not None:
         wrong, right = ("--lr-decay-iters", "--lr-warmup-iters"), ("sample-based training (--train-samples) takes "
                                                                   "--lr-decay-samples and --lr-warmup-samples")
@@ -439,7 +444,7 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
 def _torch_compile(args: argparse.Namespace) -> None:
     """Compiled where asked and mds compiles, else eager (resolver.torch_compile). Read before the environment
     rules' compile notices, which see the decision."""
-    args.torch_compile  # noqa: B018 (read: checked)
+    _derive(args, "torch_compile")
 
 
 def _inductor_options(args: argparse.Namespace) -> None:
@@ -494,8 +499,7 @@ def _msamp_layout(args: argparse.Namespace) -> None:
 
 def _every_setting(args: argparse.Namespace) -> None:
     """Every value the Settings hold can be derived (the rules above read most of them)."""
-    for name in FIELDS:
-        getattr(args, name)
+    _derive(args, *FIELDS)
 
 
 # Every rule, each stated once. The order only decides which refusal is raised when several rules refuse.
