@@ -24,6 +24,7 @@ import dataclasses
 import importlib.util
 import inspect
 
+import torch
 from torch import nn
 
 from megatron_ds.precision.fp8 import FP8Engine, local_gemms
@@ -80,8 +81,12 @@ class TransformerEngine(FP8Engine):
         recipe = self.recipe()
 
         class AutocastLinear(te.Linear):
-            """te.Linear whose forward (and an activation-recompute replay of it) runs under fp8_autocast."""
+            """te.Linear whose forward (and an activation-recompute replay of it) runs under fp8_autocast. Under
+            --torch-compile dynamo leaves it out of the layer's graph (it cannot trace TE's autocast state and
+            kernels): the graph breaks at each GEMM, and the norms, attention, GeLU, dropout and residual adds
+            between them still compile."""
 
+            @torch.compiler.disable
             def forward(self, x, *args, **kwargs):
                 with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
                     return super().forward(x, *args, **kwargs)

@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "adds fused (bench/RESULTS.md has the speed-up; the start-up log prints the compile time). "
                         "Default: on with a CUDA GPU, off on CPU (there the compile time dominates small runs and "
                         "CI) and on ROCm (untested); off, with a notice, where mds cannot compile yet "
-                        "(--ds-sequence-parallel-size, Transformer Engine FP8, MS-AMP), where the explicit "
+                        "(MS-AMP), where the explicit "
                         "flag is refused. A compile failure falls back to the eager layers with one warning. "
                         "--no-torch-compile: eager")
     g.add_argument("--tp-comm-overlap", nargs="?", const="auto", choices=["auto", "none", *OVERLAP_MODES],

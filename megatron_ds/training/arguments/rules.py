@@ -495,9 +495,6 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
         return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
                 "ZeRO-3's linear autograd Function wrongly: input gradients lost; mds sets it false when compiling)")
     engine = engine_name(args, args.transformer_impl) if fp8_requested(args) is not None else None
-    if engine == "te":
-        return ("not with Transformer Engine FP8 (its fp8_autocast breaks the compiled layer graph; --fp8-engine "
-                "torchao compiles)")
     if engine == "msamp":
         return "not with MS-AMP (its FP8 weights are ScalingTensor objects, not torch tensors)"
     return None
