@@ -191,7 +191,8 @@ def test_inductor_options_are_checked_before_any_rank_starts(files, monkeypatch)
 
 def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(files, monkeypatch):
     """No flag: eager on CPU (compile time dominates small runs and CI), compiled with a CUDA GPU (TP > 1 too);
-    off with one notice where the explicit flag is refused (MS-AMP); Transformer Engine FP8 compiles around its GEMMs;
+    off with one notice where the explicit flag is refused (MS-AMP) and with Transformer Engine FP8 (eager measured
+    as fast; --torch-compile compiles around its GEMMs);
     --no-torch-compile wins."""
     from megatron_ds.torch_support import compile_problem
     from megatron_ds.training.arguments import rules
@@ -221,6 +222,9 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert resolved("--num-experts", "4", "--torch-compile") == (True, [])
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
     assert rules.compile_off_reason(te, rules._layout(te, 1)) is None  # TE's GEMMs stay out of the graph
+    on, notes = resolved("--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te")  # eager measured as fast
+    assert on is False and "off by default with Transformer Engine FP8" in notes[0], notes
+    assert resolved("--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te", "--torch-compile") == (True, [])
     msamp = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={})
     assert "MS-AMP" in rules.compile_off_reason(msamp, rules._layout(msamp, 1))
     # the explicit flag is refused with the words the default's notice uses (compile_off_reason, one list)

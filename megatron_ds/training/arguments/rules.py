@@ -481,11 +481,17 @@ def cuda_gpu_visible() -> bool:
     return torch.version.cuda is not None and visible_gpus() > 0
 
 
+def fp8_engine(args: argparse.Namespace) -> str | None:
+    """The FP8 engine the flags select (auto resolved on this machine), None without FP8."""
+    from megatron_ds.precision.fp8 import fp8_requested
+    from megatron_ds.precision.fp8_select import engine_name
+
+    return engine_name(args, args.transformer_impl) if fp8_requested(args) is not None else None
+
+
 def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | None:
     """Why mds does not compile the layers of this layout, or None: the one list behind both the default
     (eager there, with one notice) and the refusal of an explicit --torch-compile (same words)."""
-    from megatron_ds.precision.fp8 import fp8_requested
-    from megatron_ds.precision.fp8_select import engine_name
     from megatron_ds.torch_support import compile_problem
 
     if (why := compile_problem(dims.tp)) is not None:
@@ -494,8 +500,7 @@ def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | No
     if args.zero_stage == 3 and file_zero.get("memory_efficient_linear", False):
         return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
                 "ZeRO-3's linear autograd Function wrongly: input gradients lost; mds sets it false when compiling)")
-    engine = engine_name(args, args.transformer_impl) if fp8_requested(args) is not None else None
-    if engine == "msamp":
+    if fp8_engine(args) == "msamp":
         return "not with MS-AMP (its FP8 weights are ScalingTensor objects, not torch tensors)"
     return None
 
@@ -519,6 +524,11 @@ def _torch_compile(args: argparse.Namespace, dims: ParallelDims) -> None:
         args.notices.append("note: torch.compile is off by default with MoE: the expert layers compile their attention "
                             "only (DeepSpeed's gate reads the capacity on the host) and that is not yet measured "
                             "against eager on a GPU; --torch-compile turns it on")
+        return
+    if fp8_engine(args) == "te":
+        args.notices.append("note: torch.compile is off by default with Transformer Engine FP8: its GEMMs break the "
+                            "layer graph four times, and compiled measured no faster than eager (bench/RESULTS.md) "
+                            "while starting 24 s slower; --torch-compile compiles the layers around TE's GEMMs")
         return
     why = compile_off_reason(args, dims)
     if why is None:
