@@ -285,6 +285,7 @@ stage_two_nodes() {  # two node launchers on one host as a 2-node Slurm step aga
 }
 
 stage_gpu_tests() {  # pytest -m gpu on 2 GPUs: every layout against the one-GPU curve, compiled against eager, FP8
+  te_install  # tests/gpu/test_gpu_te.py
   ds_patches
   GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-590} gpu_tests "gpu_tests_$TAG" "${GPU_TESTS:-}"
 }
