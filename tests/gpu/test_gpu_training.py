@@ -260,6 +260,18 @@ def test_fp16_with_dynamic_loss_scaling_trains(tmp_path_factory, demo_corpus):
 
 
 @needs(1)
+def test_fp16_loss_scale_skips_are_not_non_finite_stops(tmp_path_factory, demo_corpus):
+    """fp16 from Megatron's initial loss scale, 2^32: the first steps' scaled gradients overflow, DeepSpeed skips
+    them and lowers the scale; with the non-finite check on (the default) the run still reaches its last
+    iteration, exit 0 (training/nonfinite.py: a skipped step's norm is the scaler's business)."""
+    train = run_train(tmp_path_factory, demo_corpus, "fp16_skips_1gpu", ["--fp16"])
+    scales = [r["loss_scale"] for r in train]
+    REPORT["fp16_skips_1gpu"]["loss_scale"] = scales
+    assert scales[-1] < 2.0 ** 32, f"the scale falls only on an overflow: no step was skipped {scales}"
+    assert all(r["lm_loss"] is not None for r in train), train
+
+
+@needs(1)
 def test_a_model_too_large_for_the_gpu_says_what_to_change(tmp_path, demo_corpus):
     """A small model at micro batch 512 x sequence 2048 holds no GPU (its logits alone are 105 GB): the rank ends
     with exit 2 (a config error, not restarted) and a last paragraph that names the GPU, torch's own line and the
