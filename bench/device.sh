@@ -310,10 +310,9 @@ stage_peers() {  # upstream Megatron-DeepSpeed, Megatron-LM (megatron-core) and 
 stage_cpu_tools() {  # CPU only: preprocessing MB/s (1 and 2 workers), index build, token-range scan, TP=2 -> 1 reshard (GPT-350M, 1.3B)
   t 900 $PYTHON bench/bench_preprocess.py --mb 64 --repeat 5 --name "preprocess_cpu_$TAG"
   t 600 $PYTHON bench/bench_index.py --name "index_cpu_$TAG"
-  t 600 $PYTHON bench/bench_index.py --token-range --name "token_range_cpu_$TAG"
   t 900 $PYTHON bench/reshard_timing.py --name "reshard_gpt350m_cpu_$TAG" --preset GPT350M --from-tp 2 --to-tp 1
   t 1800 $PYTHON bench/reshard_timing.py --name "reshard_gpt1_3b_cpu_$TAG" --preset GPT1_3B --from-tp 2 --to-tp 1
-  keep "preprocess_cpu_$TAG" "index_cpu_$TAG" "token_range_cpu_$TAG" "reshard_gpt350m_cpu_$TAG" "reshard_gpt1_3b_cpu_$TAG"
+  keep "preprocess_cpu_$TAG" "index_cpu_$TAG" "reshard_gpt350m_cpu_$TAG" "reshard_gpt1_3b_cpu_$TAG"
 }
 
 collect() {  # after every stage, so that a call cut off later still returns what finished
