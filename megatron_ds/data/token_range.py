@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -80,8 +81,9 @@ def token_range(prefix: str, cache_dir: str | None = None) -> tuple[TokenRange, 
     found = scan(ds)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp.")
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from the other users of a shared corpus
+        with os.fdopen(fd, "w") as f:  # a name of its own: ranks on several nodes may scan at once
             json.dump({"key": key, "range": asdict(found)}, f)
         os.replace(tmp, path)
     except OSError as err:
