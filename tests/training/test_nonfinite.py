@@ -164,3 +164,16 @@ def test_max_restarts_does_not_restart_into_the_same_divergence(tmp_path, demo_c
     assert len([line for line in result.stdout.splitlines() if "mds train: world 2 = " in line]) == 1
     assert len(stop_lines(result)) == 1, result.stderr[-4000:]  # rank 0 says it; every rank stops
     assert (Path(ckpt) / "latest").read_text().strip() == "iter_0000001"
+
+
+@pytest.mark.slow
+def test_every_pipeline_stage_stops_at_the_same_step(tmp_path, demo_corpus):
+    """PP=2 (the pipeline engine: the last stage's loss reaches every stage): the ranks stop at iteration 2 with
+    exit 65, none left waiting in a collective for the other until the supervisor's deadline."""
+    result = train(demo_corpus, tmp_path, 10, *DIVERGES, "--log-interval", "1", "--nproc-per-node", "2",
+                   "--pipeline-model-parallel-size", "2")
+    assert result.returncode == NONFINITE_EXIT, result.stderr[-4000:]
+    (line,) = stop_lines(result)
+    assert "non-finite lm loss and grad norm at iteration 2 (exit 65" in line
+    assert "nothing was saved (no --save given)" in line
+    assert "still alive at the grace deadline" not in result.stderr, result.stderr[-4000:]
