@@ -337,7 +337,7 @@ stage_peers() {  # upstream Megatron-DeepSpeed, Megatron-LM (megatron-core) and 
   done
 }
 
-stage_cpu_tools() {  # CPU only: preprocessing MB/s (1 and 2 workers), index build, TP=2 -> 1 reshard (GPT-350M, 1.3B)
+stage_cpu_tools() {  # CPU only: preprocessing MB/s (1 and 2 workers), index build, token-range scan, TP=2 -> 1 reshard (GPT-350M, 1.3B)
   t 900 $PYTHON bench/bench_preprocess.py --mb 64 --repeat 5 --name "preprocess_cpu_$TAG"
   t 600 $PYTHON bench/bench_index.py --name "index_cpu_$TAG"
   t 900 $PYTHON bench/reshard_timing.py --name "reshard_gpt350m_cpu_$TAG" --preset GPT350M --from-tp 2 --to-tp 1

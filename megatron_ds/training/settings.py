@@ -213,6 +213,7 @@ class RuntimeSettings:
     watchdog_slow_phase_timeout: float
     straggler_factor: float
     max_restarts: int
+    check_for_nan_in_loss_and_grad: bool
     torch_compile: bool
     tp_comm_overlap: str | None
 

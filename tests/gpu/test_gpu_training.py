@@ -260,6 +260,18 @@ def test_fp16_with_dynamic_loss_scaling_trains(tmp_path_factory, demo_corpus):
 
 
 @needs(1)
+def test_fp16_loss_scale_skips_are_not_non_finite_stops(tmp_path_factory, demo_corpus):
+    """fp16 from Megatron's initial loss scale, 2^32: the first steps' scaled gradients overflow, DeepSpeed skips
+    them and lowers the scale; with the non-finite check on (the default) the run still reaches its last
+    iteration, exit 0 (training/nonfinite.py: a skipped step's norm is the scaler's business)."""
+    train = run_train(tmp_path_factory, demo_corpus, "fp16_skips_1gpu", ["--fp16"])
+    scales = [r["loss_scale"] for r in train]
+    REPORT["fp16_skips_1gpu"]["loss_scale"] = scales
+    assert scales[-1] < 2.0 ** 32, f"the scale falls only on an overflow: no step was skipped {scales}"
+    assert all(r["lm_loss"] is not None for r in train), train
+
+
+@needs(1)
 def test_a_model_too_large_for_the_gpu_says_what_to_change(tmp_path, demo_corpus):
     """A small model at micro batch 512 x sequence 2048 holds no GPU (its logits alone are 105 GB): the rank ends
     with exit 2 (a config error, not restarted) and a last paragraph that names the GPU, torch's own line and the
@@ -392,3 +404,25 @@ def test_one_gpu_under_max_restarts_runs_supervised_and_resumes_on_the_gpu(tmp_p
     assert len(starts) == 2 and all("device cuda" in line for line in starts), starts
     records = iterations(tmp_path / "metrics.jsonl")
     assert records[-1]["iteration"] == 60 and all(r["mem_gib"] > 0 for r in records), records[-1]
+
+
+@needs(1)
+def test_nonfinite_watch_marks_the_first_bad_step_without_a_synchronisation():
+    """The non-finite watch (training/nonfinite.py) tests each step's loss and gradient norm on the GPU without
+    waiting for it, and its one read (a log line, a save) names the first bad step and which value it was."""
+    from megatron_ds.training.nonfinite import NonFiniteError, NonFiniteWatch
+
+    watch = NonFiniteWatch(torch.device("cuda"), enabled=True, loss_scaled=False)
+    values = [(2.5, 1.0), (2.4, float("inf")), (float("nan"), float("nan")), (2.3, 0.5)]
+    steps = [(torch.tensor(loss, device="cuda"), torch.tensor(norm, device="cuda", dtype=torch.float64))
+             for loss, norm in values]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for iteration, (loss, norm) in enumerate(steps, start=1):
+            watch.add(iteration, loss, norm, skipped=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(NonFiniteError) as err:
+        watch.check(4)
+    assert (err.value.what, err.value.iteration, err.value.read_at) == (["grad norm"], 2, 4), str(err.value)

@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0 disables)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop at a NaN/inf loss or gradient norm before saving it, exit 65, no restart (default on; "
+                        "fp16 loss-scale skips are not stops)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, help="exit after this iteration (saving first with --save)")
     g.add_argument("--exit-duration-in-mins", type=float, help="exit (saving first) after this many minutes")
