@@ -146,13 +146,17 @@ def read_metrics(path: Path) -> list[dict]:
 
 def startup_lines(log: str) -> dict:
     """From the start-up log: ``build_s`` (model and engine built in N s), ``startup`` (where the wait before the
-    datasets went: launch and imports, process groups, build, data) and ``compile`` (what torch.compile built at
-    start-up and what each part cost), None where the run did not print them."""
+    datasets went: launch and imports, process groups, build, data), ``compile`` (what torch.compile built at
+    start-up and what each part cost), ``fp8_engine`` and ``torch_compile`` (on/off), None where the run did not
+    print them."""
     built = re.search(r"model and engine built in ([0-9.]+) s", log)
     phases = re.search(r"mds train: start-up: (.*)", log)
     compiled = re.search(r"torch\.compile at start-up: (.*?); first step", log)
+    fp8 = re.search(r"mds train: world [^\n]*? \+ FP8 (\w+)", log)
+    compile_on = re.search(r"mds train: world [^\n]*torch\.compile (on|off)", log)
     return {"build_s": float(built.group(1)) if built else None, "startup": phases.group(1) if phases else None,
-            "compile": compiled.group(1) if compiled else None}
+            "compile": compiled.group(1) if compiled else None,
+            "fp8_engine": fp8.group(1) if fp8 else None, "torch_compile": compile_on.group(1) if compile_on else None}
 
 
 def estimated_gib(train_flags: list[str]) -> float | None:

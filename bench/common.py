@@ -57,6 +57,20 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _distribution_version(module: str, distribution: str) -> str | None:
+    """An installed package's version from its metadata, without importing it (TE's import loads CUDA
+    libraries); None where it is not importable."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def environment() -> dict:
     """Where and with what a number was measured: enough to reproduce or distrust it."""
     info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -80,6 +94,7 @@ def environment() -> dict:
         info["deepspeed"] = deepspeed.__version__
     except Exception:  # DeepSpeed import can fail on odd stacks; the record must still be written
         info["deepspeed"] = None
+    info["transformer_engine"] = _distribution_version("transformer_engine", "transformer-engine")
     try:
         import transformers
 

@@ -19,6 +19,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+# Transformer Engine where the `te` stage unpacked it (bench/te_carry.py): on the path of every stage after it
+TE_SITE=${MDS_TE_SITE:-/tmp/te/site}
+export PYTHONPATH=$TE_SITE:$PYTHONPATH
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MDS_BENCH_WORK=/tmp/mds_bench
 LOGS=/tmp/mds_logs
@@ -76,6 +79,10 @@ bundle() {  # $1: a record name, the rest: records of one claim's runs -> one fi
   $PYTHON -c 'import json, sys; from pathlib import Path
 json.dump({"kind": "bundle", "name": sys.argv[1], "runs": {Path(p).stem: json.load(open(p)) for p in sys.argv[2:]}},
           open(f"bench/results/{sys.argv[1]}.json", "w"), indent=1)' "$name" "$@" && keep "$name"
+}
+te_install() {  # Transformer Engine from the parts bench/te_carry.py made, where the last part came in .te/ (the
+  # earlier parts copied to /tmp/te by earlier calls); once per machine, then on every stage's path (TE_SITE)
+  if ls .te/p*/manifest.json >/dev/null 2>&1; then t 400 $PYTHON bench/te_carry.py install; fi
 }
 ds_patches() {  # patches/deepspeed onto the DeepSpeed this call imports (what the images do at build)
   $PYTHON patches/apply deepspeed --installed deepspeed --manifest "$LOGS/patch-manifest.json"
@@ -180,30 +187,49 @@ stage_ulysses_32k() {  # Ulysses SP=2 where it pays: GPT-1.3B at sequence 32768:
   keep "gpt1_3b_s32768_"
 }
 
-stage_fp8() {  # torchao FP8 against bf16 on one GPU: GPT-1.3B (default flags), GPT-2.7B (no dropout), the reference
-  $PYTHON -c "import torchao.float8" || { echo "torchao not importable: carry .whl/ with its wheel"; return 1; }
+stage_fp8() {  # FP8 engines against bf16 on one GPU, one call: GPT-1.3B (default flags) in bf16, on Transformer
+  # Engine compiled and eager, on torchao compiled; FP8_ROWS="gpt13 gpt27 reference" adds GPT-2.7B (no dropout) and the
+  # reference (torchao)
+  te_install
   ds_patches
-  t 300 $F --steps 24 --warmup-steps 10 --name "gpt1_3b_s2048_mbs16_z1_default_fp8_$TAG" -- $GPT13_16
-  t 300 $F --steps 16 --warmup-steps 6 --name "gpt2_7b_s2048_mbs8_z1_nodrop_fp8_$TAG" -- --preset GPT2_7B --bf16 \
-    --micro-batch-size 8 --zero-stage 1 $NODROP
-  t 300 $R --which compile,compile_fp8 --mbs 16 --name "reference_gpt1_3b_fp8_$TAG"
-  keep "gpt1_3b_s2048_mbs16_z1_default_fp8_$TAG" "gpt2_7b_s2048_mbs8_z1_nodrop_fp8_$TAG" "reference_gpt1_3b_fp8_$TAG"
+  local E="--fp8-format hybrid --fp8-engine"
+  for row in ${FP8_ROWS:-gpt13}; do
+    case $row in
+      gpt13) t 590 $F --steps 16 --warmup-steps 6 --timeout 200 --variant "te=$E te" --variant "te_eager=$E te \
+        --no-torch-compile" --variant "torchao=$E torchao" --name "gpt1_3b_s2048_mbs16_z1_fp8_engines_$TAG" -- $GPT13_16
+        keep "gpt1_3b_s2048_mbs16_z1_fp8_engines_$TAG" ;;
+      gpt27) t 300 $F --steps 16 --warmup-steps 6 --name "gpt2_7b_s2048_mbs8_z1_nodrop_fp8_$TAG" -- --preset GPT2_7B \
+        --bf16 --micro-batch-size 8 --zero-stage 1 $NODROP; keep "gpt2_7b_s2048_mbs8_z1_nodrop_fp8_$TAG" ;;
+      reference) t 300 $R --which compile,compile_fp8 --mbs 16 --name "reference_gpt1_3b_fp8_$TAG"
+        keep "reference_gpt1_3b_fp8_$TAG" ;;
+    esac
+  done
 }
 
-stage_fp8_loss() {  # torchao FP8 against bf16, 300 steps on the embedded corpus: GPT-350M, GPT-1.3B, LLaMA-style 1.3B
+stage_fp8_loss() {  # FP8 against bf16, 300 steps on the embedded corpus: GPT-350M, GPT-1.3B, LLaMA-style 1.3B; the
+  # engine FP8_LOSS_ENGINE (default torchao; te: Transformer Engine), the rows FP8_LOSS_ROWS (default all three)
+  local engine=${FP8_LOSS_ENGINE:-torchao} row name
+  local suffix=$([ "$engine" = torchao ] || echo "_$engine")
   local L="--loss --steps 300 --warmup-steps 10 --demo-corpus"
   local C="--bf16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8"
   C="$C --zero-stage 1 --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 30"
+  local LLAMA_LOSS="--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear"
+  LLAMA_LOSS="$LLAMA_LOSS --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504"
+  te_install
   ds_patches
-  t 420 $F $L --name "gpt350m_s1024_mbs16_fp8_loss300_$TAG" -- --preset GPT350M --bf16 --seq-length 1024 \
-    --max-position-embeddings 1024 --micro-batch-size 16 --zero-stage 1 --lr 3e-4 --min-lr 3e-5 \
-    --lr-decay-style cosine --lr-warmup-iters 30 $NODROP --log-interval 10 --seed 1234
-  t 400 $F $L --name "gpt1_3b_s1024_fp8_loss300_$TAG" -- --preset GPT1_3B $C --log-interval 10 --seed 1234
-  t 400 $F $L --name "llama_style_1_3b_s1024_fp8_loss300_seed4321_$TAG" -- --preset GPT1_3B $C --log-interval 1 \
-    --seed 4321 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
-    --untie-embeddings-and-output-weights --num-key-value-heads 8 --ffn-hidden-size 5504
-  keep "gpt350m_s1024_mbs16_fp8_loss300_$TAG" "gpt1_3b_s1024_fp8_loss300_$TAG" \
-    "llama_style_1_3b_s1024_fp8_loss300_seed4321_$TAG"
+  for row in ${FP8_LOSS_ROWS:-gpt350m gpt13 llama13}; do
+    case $row in
+      gpt350m) name="gpt350m_s1024_mbs16_fp8_loss300$suffix" flags="--preset GPT350M --bf16 --seq-length 1024 \
+        --max-position-embeddings 1024 --micro-batch-size 16 --zero-stage 1 --lr 3e-4 --min-lr 3e-5 \
+        --lr-decay-style cosine --lr-warmup-iters 30 $NODROP --log-interval 10 --seed 1234" ;;
+      gpt13) name="gpt1_3b_s1024_fp8_loss300$suffix" flags="--preset GPT1_3B $C --log-interval 10 --seed 1234" ;;
+      llama13) name="llama_style_1_3b_s1024_fp8_loss300_seed4321$suffix"
+        flags="--preset GPT1_3B $C --log-interval 1 --seed 4321 $LLAMA_LOSS" ;;
+      *) echo "no fp8_loss row '$row'"; continue ;;
+    esac
+    t 420 $F $L --fp8-flags="--fp8-format hybrid --fp8-engine $engine" --name "${name}_$TAG" -- $flags
+    keep "${name}_$TAG"
+  done
 }
 
 stage_startup() {  # start to iteration 1: GPT-6.7B TP=2+SP with a cold then a warm compile cache, GPT-1.3B FP8 on
@@ -259,6 +285,7 @@ stage_two_nodes() {  # two node launchers on one host as a 2-node Slurm step aga
 }
 
 stage_gpu_tests() {  # pytest -m gpu on 2 GPUs: every layout against the one-GPU curve, compiled against eager, FP8
+  te_install  # tests/gpu/test_gpu_te.py
   ds_patches
   GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-590} gpu_tests "gpu_tests_$TAG" "${GPU_TESTS:-}"
 }
@@ -290,15 +317,18 @@ stage_moe() {  # DeepSpeed-MoE on 2 GPUs: GPT-350M with 16 experts on every othe
 stage_peers() {  # upstream Megatron-DeepSpeed, Megatron-LM (megatron-core) and torchtitan against mds in one call:
   # each row of $PEER_ROWS for each of $PEERS, the peer then `entrypoint train` on the same flags and data (one GPU's
   # rows by default); the peers' pinned wheels and sources come carried in .peers/ (bench/peers/peers.py fetch)
+  # (a row name ending in +fp8: both sides in FP8 hybrid, Megatron-LM through Transformer Engine as ours)
   local peer row rows flags extra
+  te_install  # Megatron-LM runs on Transformer Engine where it imports, as its users run it
   ds_patches  # our DeepSpeed; the peers get the unpatched wheel in their own site (peers.py setup)
-  extra=--no-apex; case " ${PEERS:-megatron-deepspeed megatron-lm torchtitan} " in *" megatron-"*) extra= ;; esac
+  extra=--no-apex; case " ${PEERS:-megatron-deepspeed megatron-lm torchtitan} " in *" megatron-deepspeed "*) extra= ;; esac
   t "${PEERS_SETUP_LIMIT:-480}" $PYTHON bench/peers/peers.py setup $extra
   for peer in ${PEERS:-megatron-deepspeed megatron-lm torchtitan}; do
     rows=${PEER_ROWS:-gpt13 gpt13_nodrop}
     [ "$peer" = torchtitan ] && rows=${PEER_ROWS:-llama13_nodrop llama13_nodrop+compile}
     for row in $rows; do
-      flags=$(peer_row "${row%+compile}") || continue
+      flags=$(peer_row "${row%+*}") || continue
+      [ "$row" != "${row%+fp8}" ] && flags="$flags --fp8-format hybrid"
       t "${PEER_RUN_LIMIT:-420}" $PYTHON bench/peers/peers.py run "$peer" --steps "${PEER_STEPS:-20}" \
         --warmup-steps "${PEER_WARMUP:-5}" --timeout "${PEER_TIMEOUT:-200}" --name "peers_${peer//-/_}_${row/+/_}_$TAG" \
         $([ "$row" != "${row%+compile}" ] && echo --peer-compile) -- $flags
@@ -307,7 +337,7 @@ stage_peers() {  # upstream Megatron-DeepSpeed, Megatron-LM (megatron-core) and 
   done
 }
 
-stage_cpu_tools() {  # CPU only: preprocessing MB/s (1 and 2 workers), index build, TP=2 -> 1 reshard (GPT-350M, 1.3B)
+stage_cpu_tools() {  # CPU only: preprocessing MB/s (1 and 2 workers), index build, token-range scan, TP=2 -> 1 reshard (GPT-350M, 1.3B)
   t 900 $PYTHON bench/bench_preprocess.py --mb 64 --repeat 5 --name "preprocess_cpu_$TAG"
   t 600 $PYTHON bench/bench_index.py --name "index_cpu_$TAG"
   t 900 $PYTHON bench/reshard_timing.py --name "reshard_gpt350m_cpu_$TAG" --preset GPT350M --from-tp 2 --to-tp 1

@@ -2,6 +2,10 @@
 
     python bench/fp8_compare.py --name gpt1_3b_fp8 --steps 30 --warmup-steps 10 -- --preset GPT1_3B --bf16 ...
     python bench/fp8_compare.py --name gpt350m_fp8_loss --loss --steps 300 --demo-corpus -- --preset GPT350M ...
+    python bench/fp8_compare.py --name gpt1_3b_engines --variant "te=--fp8-format hybrid --fp8-engine te" \
+        --variant "torchao=--fp8-format hybrid --fp8-engine torchao" -- --preset GPT1_3B ...
+
+Each --variant LABEL=FLAGS is one more run beside bf16, in the same call (default: one, `fp8`, from --fp8-flags).
 
 Speed (default): both runs go through bench_train.py (records <name>__bf16 and <name>__fp8 with medians of
 tokens/s, MFU and peak memory); the comparison record <name>.json holds the ratios.
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--fp8-flags", default="--fp8-format hybrid --fp8-engine torchao",
                    help="what the FP8 run adds to the flags")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="an FP8 run: its label and what it adds to the flags (repeatable; default fp8=--fp8-flags)")
     p.add_argument("--loss", action="store_true", help="compare losses (else speed)")
     p.add_argument("--after", type=int, default=50, help="--loss: the bound applies to log points after this step")
     p.add_argument("--demo-corpus", action="store_true", help="train on the embedded corpus (real text)")
@@ -80,31 +86,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo_corpus:
         flags = flags + demo_corpus_flags(args.work_dir)
 
+    if any("=" not in v or v.startswith("bf16=") for v in args.variant):
+        p.error("--variant takes LABEL=FLAGS with a label other than bf16")
+    variants = dict(v.split("=", 1) for v in args.variant) or {"fp8": args.fp8_flags}
     records = {}
-    for label, extra in (("bf16", []), ("fp8", args.fp8_flags.split())):
+    for label, extra in (("bf16", ""), *variants.items()):
         name = f"{args.name}__{label}"
         cmd = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--name", name, "--steps", str(args.steps),
                "--warmup-steps", str(args.warmup_steps), "--timeout", str(args.timeout), "--no-report",
-               "--results-dir", str(args.results_dir), "--work-dir", str(args.work_dir), "--", *flags, *extra]
+               "--results-dir", str(args.results_dir), "--work-dir", str(args.work_dir), "--", *flags, *extra.split()]
         print("+ " + " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=REPO)
         path = args.results_dir / f"{name}.json"
         records[label] = json.loads(path.read_text()) if path.exists() else {"status": "failed", "summary": None}
 
     record = {"kind": "fp8_compare", "name": args.name, "harness_command": [sys.executable, *sys.argv],
-              "flags": flags, "fp8_flags": args.fp8_flags.split(), "environment": environment(),
-              "runs": {label: f"{args.name}__{label}" for label in records},
+              "flags": flags, "variants": {label: extra.split() for label, extra in variants.items()},
+              "environment": environment(), "runs": {label: f"{args.name}__{label}" for label in records},
               "status": "ok" if all(r.get("status") == "ok" for r in records.values()) else "failed"}
-    if args.loss:
-        record["loss"] = loss_difference(records["bf16"].get("steps") or [], records["fp8"].get("steps") or [],
-                                         args.after)
-        worst = record["max_relative_loss_difference_after"] = record["loss"]["max_relative_difference_after"]
-        print(f"[fp8] {args.name}: max relative loss difference after step {args.after}: {worst}", flush=True)
-    record["speed"] = speed_ratios(records["bf16"], records["fp8"])
-    if record["speed"]:
-        record["tokens_per_s_ratio"] = record["speed"]["tokens_per_s"]
-        print(f"[fp8] {args.name}: fp8/bf16 tokens/s = {record['speed']['tokens_per_s']:.3f}, memory "
-              f"{record['speed']['mem_gib']}, MFU {record['speed']['mfu']}", flush=True)
+    for label in variants:
+        one = {}
+        if args.loss:
+            one["loss"] = loss_difference(records["bf16"].get("steps") or [], records[label].get("steps") or [],
+                                          args.after)
+            one["max_relative_loss_difference_after"] = one["loss"]["max_relative_difference_after"]
+            print(f"[fp8] {args.name} {label}: max relative loss difference after step {args.after}: "
+                  f"{one['max_relative_loss_difference_after']}", flush=True)
+        one["speed"] = speed_ratios(records["bf16"], records[label])
+        if one["speed"]:
+            one["tokens_per_s_ratio"] = one["speed"]["tokens_per_s"]
+            print(f"[fp8] {args.name} {label}: {label}/bf16 tokens/s = {one['speed']['tokens_per_s']:.3f}, memory "
+                  f"{one['speed']['mem_gib']}, MFU {one['speed']['mfu']}", flush=True)
+        record[label] = one
+    if len(variants) == 1:  # one FP8 run: its results at the top, as a reader of a single comparison expects
+        record.update(record.pop(next(iter(variants))))
     path = write_record(record, args.results_dir, args.name)
     out = os.environ.get("OUT")
     if out:

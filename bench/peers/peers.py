@@ -6,7 +6,8 @@ in the same call on the same GPUs, each record counting FLOPs our way (bench.com
     python bench/peers/peers.py run megatron-deepspeed --name NAME -- --preset GPT1_3B --bf16 --micro-batch-size 16 ...
 
 Peers (versions in bench/peers/pins.json): `megatron-deepspeed` (upstream pretrain_gpt.py with DeepSpeed),
-`megatron-lm` (Megatron-LM's pretrain_gpt.py on the megatron-core release, --transformer-impl local) and
+`megatron-lm` (Megatron-LM's pretrain_gpt.py on the megatron-core release, with Transformer Engine's layers
+and attention, `--transformer-impl transformer_engine`, where TE imports, as its users run it; else local) and
 `torchtitan` (its llama3 trainer with a flavor of our LLaMA-style shape; `--peer-compile` turns its torch.compile
 on). Only the flags listed in TRANSLATED are translated; any other train flag is refused, so that a record never
 compares runs that differ silently. `--peer-flag F` appends F to the peer's own command (e.g. upstream fallbacks such
@@ -55,7 +56,9 @@ TRANSLATED = ("--preset", "--num-layers", "--hidden-size", "--num-attention-head
               "--zero-stage", "--nproc-per-node", "--hidden-dropout", "--attention-dropout", "--lr", "--min-lr",
               "--lr-decay-style", "--lr-warmup-iters", "--weight-decay", "--clip-grad", "--adam-beta1",
               "--adam-beta2", "--seed", "--data-path", "--vocab-size", "--tokenizer-type", "--normalization",
-              "--position-embedding-type", "--split", "--log-interval", "--eval-iters")
+              "--position-embedding-type", "--split", "--log-interval", "--eval-iters",
+              "--fp8-format", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo")
+FP8_PEERS = ("megatron-lm",)  # the peers whose FP8 is the same recipe as ours: TE's delayed scaling
 SWITCHES = ("--bf16", "--sequence-parallel", "--swiglu", "--disable-bias-linear",
             "--untie-embeddings-and-output-weights")
 
@@ -189,7 +192,7 @@ def megatron_deepspeed_command(args, *, steps: int, data: str, gpus: int, ds_con
     return _torchrun(gpus) + [str(launcher), str(src / "pretrain_gpt.py")] + cmd, config
 
 
-def fallbacks(peer: str, nvcc_major: int | None) -> list[str]:
+def fallbacks(peer: str, nvcc_major: int | None, transformer_impl: str = "local") -> list[str]:
     """Upstream flags that avoid a build which cannot succeed here. Megatron-DeepSpeed JIT-builds its fused softmax
     with `-gencode arch=compute_70` (megatron/fused_kernels/__init__.py), which CUDA 13's nvcc no longer compiles:
     --no-masked-softmax-fusion, its own switch to the unfused softmax. Megatron-LM's local implementation imports
@@ -197,7 +200,7 @@ def fallbacks(peer: str, nvcc_major: int | None) -> list[str]:
     provides (the megatron-core wheel has none): the same switch."""
     if peer == "megatron-deepspeed" and (nvcc_major is None or nvcc_major >= 13):
         return ["--no-masked-softmax-fusion"]
-    if peer == "megatron-lm":
+    if peer == "megatron-lm" and transformer_impl == "local":
         return ["--no-masked-softmax-fusion"]
     return []
 
@@ -211,13 +214,24 @@ def nvcc_major() -> int | None:
     return int(m.group(1)) if m else None
 
 
-def megatron_lm_command(args, *, steps: int, data: str, gpus: int,
+def te_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def megatron_lm_command(args, *, steps: int, data: str, gpus: int, transformer_impl: str = "transformer_engine",
                         src: Path = SRC / "megatron-lm") -> list[str]:
-    """Megatron-LM's pretrain_gpt.py on megatron-core, --transformer-impl local (no Transformer Engine); ZeRO >= 1
-    becomes its distributed optimizer (optimizer state sharded over DP, what ZeRO-1 does)."""
+    """Megatron-LM's pretrain_gpt.py on megatron-core with ``transformer_impl`` (transformer_engine: TE's fused
+    layers and attention; local: megatron-core's own); ZeRO >= 1 becomes its distributed optimizer (optimizer state
+    sharded over DP, what ZeRO-1 does); FP8 is TE's delayed scaling with our margin and amax history."""
     cmd = _common_megatron(args, steps, data)
-    cmd += ["--transformer-impl", "local", "--log-throughput",
+    cmd += ["--transformer-impl", transformer_impl, "--log-throughput",
             "--distributed-backend", "nccl"]
+    if args.fp8_format:
+        cmd += ["--fp8-format", args.fp8_format, "--fp8-recipe", "delayed", "--fp8-margin", str(args.fp8_margin),
+                "--fp8-amax-history-len", str(args.fp8_amax_history_len),
+                "--fp8-amax-compute-algo", args.fp8_amax_compute_algo]
     if (args.zero_stage or 0) >= 1:
         cmd.append("--use-distributed-optimizer")
     cmd += ["--normalization", args.normalization or "LayerNorm"]
@@ -441,6 +455,9 @@ def run(argv: list[str]) -> int:
     if a.profile and (a.peer != "torchtitan" or a.steps < 6):
         p.error("--profile is torchtitan's (--profiling) and needs --steps 6 or more")
     check_flags(flags)
+    if a.peer not in FP8_PEERS and any(f.startswith("--fp8-") for f in flags):
+        raise SystemExit(f"peers: FP8 rows run against {', '.join(FP8_PEERS)} only (the same Transformer Engine "
+                         "recipe as ours)")
     from bench import bench_train
 
     flags = explicit_defaults(flags)
@@ -474,7 +491,11 @@ def run(argv: list[str]) -> int:
         env["PYTHONPATH"] = os.pathsep.join([str(SRC / "megatron-deepspeed"), env["PYTHONPATH"]])
         cwd = SRC / "megatron-deepspeed"
     elif a.peer == "megatron-lm":
-        cmd = megatron_lm_command(args, steps=a.steps, data=data, gpus=gpus)
+        impl = "transformer_engine" if te_importable() else "local"
+        if args.fp8_format and impl == "local":
+            raise SystemExit("peers: an FP8 row needs Transformer Engine for Megatron-LM, which does not import "
+                             "here: run bench/te_carry.py install (the fp8 stage does)")
+        cmd = megatron_lm_command(args, steps=a.steps, data=data, gpus=gpus, transformer_impl=impl)
         env["PYTHONPATH"] = os.pathsep.join([str(SRC / "megatron-lm"), env["PYTHONPATH"]])
         cwd = SRC / "megatron-lm"
     else:
@@ -482,7 +503,8 @@ def run(argv: list[str]) -> int:
         launcher.write_text(TORCHTITAN_LAUNCHER.format(flavor=repr(torchtitan_flavor(args))))
         cmd = torchtitan_command(args, steps=a.steps, data=data, gpus=gpus, compile_on=a.peer_compile,
                                  launcher=launcher, traces=work / "traces" if a.profile else None)
-    auto = fallbacks(a.peer, nvcc_major())
+    impl = cmd[cmd.index("--transformer-impl") + 1] if "--transformer-impl" in cmd else None
+    auto = fallbacks(a.peer, nvcc_major(), impl or "local")
     a.peer_flag = auto + [f for f in a.peer_flag if f not in auto]
     cmd += a.peer_flag
     code, log, startup = _run_peer(cmd, cwd, env, work / f"{a.peer}.log", a.timeout, FIRST_STEP[a.peer])
@@ -529,6 +551,9 @@ def make_record(a, args, peer: dict, ours: dict | None, *, gpus, fpt, peak, toke
                      "after_steps": a.steps},
             "flops_per_token": fpt, "tokens_per_step": tokens_per_step, "warmup_steps": a.warmup_steps,
             "peer_compile": a.peer_compile if a.peer == "torchtitan" else None, "peer_flags": a.peer_flag,
+            "peer_transformer_impl": (peer["command"][peer["command"].index("--transformer-impl") + 1]
+                                      if "--transformer-impl" in peer["command"] else None),
+            "fp8": args.fp8_format, "mds_fp8_engine": (ours or {}).get("fp8_engine"),
             "peer_apex": peer.get("apex"),
             "command": peer["command"], "mds_command": (ours or {}).get("command"),
             "harness_command": [sys.executable] + sys.argv, "environment": environment(),

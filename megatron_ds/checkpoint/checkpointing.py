@@ -275,6 +275,7 @@ class Checkpointer:
         self.engine, self.args = engine, args
         self.enabled = bool(getattr(args, "save", None))  # without --save nothing is ever saved
         self.interval = getattr(args, "save_interval", None) if self.enabled else None
+        self.before_save = None  # called with the state before each save; raises to refuse it (a non-finite step)
 
     def load(self, state) -> bool:
         """Restore the engine and ``state`` from --load; False when there was nothing to load."""
@@ -286,4 +287,8 @@ class Checkpointer:
 
     def save(self, state) -> str | None:
         """Save ``state`` and the engine to --save (collective); nothing without --save."""
-        return save(self.engine, self.args, state) if self.enabled else None
+        if not self.enabled:
+            return None
+        if self.before_save is not None:
+            self.before_save(state)
+        return save(self.engine, self.args, state)

@@ -14,16 +14,20 @@ and the scales as ``<layer>.local._extra_state`` in the model's state dict, so c
 
 The names used here are listed in ``TE_API`` and checked against TE's sources by tests/precision/test_te_api.py:
 TE 1.13 (the NGC image's, in `make test`) and TE 1.1 (the MS-AMP image's, marked upstream_src), which has them all.
-In TE 1.1 the extra state is a pickled ``io.BytesIO`` (later versions: a uint8 tensor); both load through
+In TE 1.1 the extra state is a pickled ``io.BytesIO`` (later versions: a uint8 tensor of pickled bytes, which TE 2.x
+loads only with NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1: see ``checkpoint_pickle_trusted``); both load through
 DeepSpeed's strict module load, and the weight exporters leave it out (checkpoint/shards.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
+import os
 
+import torch
 from torch import nn
 
 from megatron_ds.precision.fp8 import FP8Engine, local_gemms
@@ -36,6 +40,26 @@ TE_API = {
                                                             "amax_compute_algo", "interval", "reduce_amax"),
                                          "Format": ("E4M3", "HYBRID")},
 }
+
+
+# TE >= 2.x refuses to unpickle its delayed-scaling state (amax history and scales, stored as a pickle inside the
+# `_extra_state` tensor) unless this is "1". That state reaches it only from a checkpoint's model-states file, which
+# DeepSpeed and mds read with torch.load(weights_only=False): the whole file, the pickle in it included, was already
+# unpickled and trusted. So the opt-in is set only while TE reads the state in a load, never for the process.
+UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+@contextlib.contextmanager
+def checkpoint_pickle_trusted():
+    before = os.environ.get(UNSAFE_PICKLE_ENV)
+    os.environ[UNSAFE_PICKLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[UNSAFE_PICKLE_ENV]
+        else:
+            os.environ[UNSAFE_PICKLE_ENV] = before
 
 
 def installed() -> bool:
@@ -80,11 +104,19 @@ class TransformerEngine(FP8Engine):
         recipe = self.recipe()
 
         class AutocastLinear(te.Linear):
-            """te.Linear whose forward (and an activation-recompute replay of it) runs under fp8_autocast."""
+            """te.Linear whose forward (and an activation-recompute replay of it) runs under fp8_autocast. Under
+            --torch-compile dynamo leaves it out of the layer's graph (it cannot trace TE's autocast state and
+            kernels): the graph breaks at each GEMM, and the norms, attention, GeLU, dropout and residual adds
+            between them still compile."""
 
+            @torch.compiler.disable
             def forward(self, x, *args, **kwargs):
                 with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
                     return super().forward(x, *args, **kwargs)
+
+            def set_extra_state(self, state):
+                with checkpoint_pickle_trusted():
+                    return super().set_extra_state(state)
 
         takes_device = _accepts(te.Linear, "device")
         for name, gemm in local_gemms(model).items():

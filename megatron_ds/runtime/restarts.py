@@ -1,8 +1,9 @@
 """In-job restarts (--max-restarts N, torchrun's name): run the node's ranks again after a failure or a hang.
 
 The ranks get the same command line, so a run with --load resumes from its `latest` checkpoint.
-Not restarted: success, a configuration error (exit 2: it would fail the same way), and a stop
-asked for from outside (TERM/INT to the launcher). A restart loop, i.e. SAME_FAILURE_LIMIT
+Not restarted: success, the FINAL exit codes (a configuration error, exit 2, and a non-finite loss or
+gradient norm, exit 65: a restart from `latest` would fail the same way), and a stop asked for from
+outside (TERM/INT to the launcher). A restart loop, i.e. SAME_FAILURE_LIMIT
 attempts in a row failing the same way at the same iteration, gives up with its cause.
 """
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from megatron_ds.runtime.watchdog import HANG_EXIT
 
 CONFIG_ERROR = 2
+NONFINITE_EXIT = 65  # sysexits' EX_DATAERR: the run's numbers went bad (training/nonfinite.py)
+FINAL = {CONFIG_ERROR: "a configuration error", NONFINITE_EXIT: "a non-finite loss or gradient norm"}
 SAME_FAILURE_LIMIT = 2
 
 
@@ -47,7 +50,11 @@ class RestartPolicy:
     def should_restart(self, failure: Failure, stopped_from_outside: bool) -> bool:
         """Record the failure; True when the ranks should run again (the reason is logged either way)."""
         self.failures.append(failure)
-        if failure.code == CONFIG_ERROR or stopped_from_outside or self.max_restarts <= 0:
+        if failure.code in FINAL and self.max_restarts > 0 and not stopped_from_outside:
+            _log(f"no restart after {FINAL[failure.code]} ({failure.describe()}): a restart from latest would "
+                 "end the same way")
+            return False
+        if stopped_from_outside or self.max_restarts <= 0:
             return False
         recent = self.failures[-SAME_FAILURE_LIMIT:]
         if len(recent) == SAME_FAILURE_LIMIT and all(f.same_as(recent[-1]) for f in recent):

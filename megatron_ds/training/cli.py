@@ -9,6 +9,7 @@ from typing import NoReturn
 from megatron_ds.env_settings import SIGNAL_GRACE
 from megatron_ds.training import memory_estimate
 from megatron_ds.training.arguments import ConfigError, parse_args, validate
+from megatron_ds.training.arguments.rules_data import data_within_vocabulary
 
 
 def _error(message: str) -> int:
@@ -34,6 +35,9 @@ def main(argv: list[str]) -> int:
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
         settings = validate(args, plan.ranks()[0].world_size)
+        if os.environ.get("RANK") in (None, "0"):  # the launcher, a lone process, rank 0: before any rank starts
+            for note in data_within_vocabulary(settings):
+                print(note, file=sys.stderr)
         if os.environ.get("RANK") is None or args.dry_run:  # the launcher (or a lone rank): before any GPU work
             fit = memory_estimate.check_fits(settings, memory_estimate.gpu_memory_gib())
     except ConfigError as err:

@@ -5,7 +5,8 @@ Runs in every rank (the CLI has already validated the flags and become a rank). 
 pieces of this package; each of them is testable on its own. The loop asks each component when it
 is due: the metrics logger (--log-interval), the Evaluator (--eval-interval), the Checkpointer
 (--save-interval); StopConditions holds every reason to stop (the training length, --exit-interval,
-signals and --exit-duration-in-mins).
+signals and --exit-duration-in-mins); NonFiniteWatch (nonfinite.py) stops it at a non-finite loss or gradient norm
+before anything is saved from it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import torch.distributed as dist
 
 from megatron_ds.checkpoint import StopAgreement
 from megatron_ds.runtime.progress import Progress
+from megatron_ds.runtime.restarts import NONFINITE_EXIT
 from megatron_ds.runtime.stragglers import OwnWork, RankTimes, gather, slowdown_for_tests
 from megatron_ds.runtime.watchdog import Timeouts
 from megatron_ds.training import warmup
 from megatron_ds.training.data import MicroBatches
 from megatron_ds.training.metrics import MetricsLogger, StepStats, memory_gib, peak_flops, wandb_settings
+from megatron_ds.training.nonfinite import NonFiniteError, NonFiniteWatch, stop_message
 from megatron_ds.training.settings import DataSettings, RuntimeSettings, Settings
 from megatron_ds.training.state import TrainState
 
@@ -284,6 +287,9 @@ class Trainer:
                                    iters=runtime.eval_iters,
                                    metrics=self.metrics)
         self.checkpointer = run.checkpointer
+        self.nonfinite = NonFiniteWatch(self.device, enabled=runtime.check_for_nan_in_loss_and_grad,
+                                        loss_scaled=self.precision.uses_loss_scaling)
+        self.checkpointer.before_save = lambda state: self.nonfinite.check(state.iteration)  # never save one
         self.moe_stats = getattr(self.engine.module, "moe_stats", None)  # None under PP (MoE is refused there)
         self.moe_since_log = MoESinceLastLog(self.device)
 
@@ -385,8 +391,15 @@ class Trainer:
         on_device = getattr(self.engine.optimizer, "skipped_on_device", None)
         return self.engine.skipped_steps + (int(on_device) if on_device is not None else 0)
 
+    def _watch_step(self, iteration: int, loss: torch.Tensor, skipped_before: int) -> None:
+        """The step's loss and gradient norm into the non-finite watch, on the device (no synchronisation);
+        ``skipped_before``: DeepSpeed's skipped-step count (a host number) before the step."""
+        self.nonfinite.add(iteration, loss, self.engine.get_global_grad_norm(),
+                           skipped=self.engine.skipped_steps > skipped_before)
+
     def _log_train(self, st: TrainState, lr: float, losses: LossSinceLastLog, timer: IntervalTimer) -> None:
-        """The log line of the steps since the last one: mean loss and step time."""
+        """The log line of the steps since the last one: mean loss and step time; then the non-finite check
+        (the timer has synchronised: its read waits for nothing)."""
         step_time = timer.take() / losses.steps
         rank_times = peak_gib = None
         if self.settings.layout.world_size > 1:  # one all_gather per log point: each rank's own work and peak memory
@@ -402,6 +415,7 @@ class Trainer:
         stats = StepStats(st.iteration, st.consumed_train_samples, loss, lr, self._grad_norm(),
                           self._loss_scale(), step_time, rank_times, peak_gib, moe_loss, tokens_dropped)
         self.metrics.log_train(stats, skipped=skipped)
+        self.nonfinite.check(st.iteration)
 
     def _compile_stages_ahead(self) -> bool:
         """Pipeline stages compile their layer graph side by side before the first step (training/warmup.py)."""
@@ -430,12 +444,14 @@ class Trainer:
                 timer.start()
                 while not stop.finished(st):
                     lr = self._lr()
-                    step_start = time.perf_counter()
-                    losses.add(self.train_step(st.consumed_train_samples))
+                    step_start, skipped_before = time.perf_counter(), self.engine.skipped_steps
+                    loss = self.train_step(st.consumed_train_samples)
+                    losses.add(loss)
                     if first_step and settings.runtime.torch_compile:
                         _log_compile_time(self.device, compile_start if ahead else step_start, ahead)
                     first_step = False
                     st.advance(settings.layout.global_batch_size)
+                    self._watch_step(st.iteration, loss, skipped_before)
                     self.progress.step(st.iteration)
                     if self.metrics.due(st.iteration) or stop.finished(st):
                         self._log_train(st, lr, losses, timer)
@@ -460,6 +476,11 @@ class Trainer:
                 else:
                     _log(f"mds train: done, {st.iteration} iterations, {st.consumed_train_samples} samples")
                 return 0
+        except NonFiniteError as err:  # raised on every rank alike: the loss and norm are the same everywhere
+            if self.parallel.rank == 0:
+                print(stop_message(err, settings.checkpoint.save, settings.checkpoint.load, NONFINITE_EXIT),
+                      file=sys.stderr, flush=True)
+            return NONFINITE_EXIT
         finally:
             self.metrics.close()
 

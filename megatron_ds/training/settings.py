@@ -212,6 +212,7 @@ class RuntimeSettings:
     watchdog_slow_phase_timeout: float
     straggler_factor: float
     max_restarts: int
+    check_for_nan_in_loss_and_grad: bool
     preset: str | None  # the named model size the flags started from (their values are in the sections)
     torch_compile: bool
     tp_comm_overlap: str | None

@@ -201,7 +201,9 @@ def test_in_process_build_gives_each_torchrun_rank_its_tp_half(tmp_path):
 def test_startup_lines_give_build_time_and_what_compiled():
     from bench.bench_train import startup_lines
 
-    log = ("mds train: world 2 = TP 2 x PP 1 x DP 1, ...; model and engine built in 34.9 s (weights drawn on the GPU)\n"
+    log = ("mds train: world 2 = TP 2 x PP 1 x DP 1, ZeRO-1, bf16 + FP8 te (Transformer Engine delayed scaling), "
+           "DeepSpeed, attention flash, torch.compile on, device cuda; model and engine built in 34.9 s (weights drawn "
+           "on the GPU)\n"
            "mds train: start-up: launch and imports 9.1 s, process groups 0.4 s, model and engine 34.9 s, data 0.2 s; "
            "44.6 s since `entrypoint` started\n"
            "mds train: torch.compile at start-up: layer graph 13.3 s, cross entropy (3 kernels) 2.0 s (first calls: "
@@ -209,8 +211,12 @@ def test_startup_lines_give_build_time_and_what_compiled():
     assert startup_lines(log) == {"build_s": 34.9, "compile": "layer graph 13.3 s, cross entropy (3 kernels) 2.0 s "
                                                               "(first calls: tracing, lowering, kernels)",
                                   "startup": "launch and imports 9.1 s, process groups 0.4 s, model and engine 34.9 s, "
-                                             "data 0.2 s; 44.6 s since `entrypoint` started"}
-    assert startup_lines("no start-up lines") == {"build_s": None, "compile": None, "startup": None}
+                                             "data 0.2 s; 44.6 s since `entrypoint` started",
+                                  "fp8_engine": "te", "torch_compile": "on"}
+    assert startup_lines("mds train: world 1 = TP 1 x PP 1 x DP 1, ZeRO-0, bf16, torch.compile off, device cpu; ")[
+        "fp8_engine"] is None
+    assert startup_lines("no start-up lines") == {"build_s": None, "compile": None, "startup": None,
+                                                  "fp8_engine": None, "torch_compile": None}
 
 
 def test_swiglu_probe_variants_compute_the_same_mlp_and_write_a_record(tmp_path):

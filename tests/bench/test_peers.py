@@ -61,7 +61,7 @@ def test_tp2_sp_and_llama_style_flags_reach_both_megatrons(tmp_path):
     lm = peers.megatron_lm_command(args_for(GPT13 + NODROP + LLAMA), steps=8, data="/d", gpus=1,
                                    src=Path("/src/lm"))
     assert lm[6] == "/src/lm/pretrain_gpt.py"
-    assert value(lm, "--transformer-impl") == "local" and value(lm, "--normalization") == "RMSNorm"
+    assert value(lm, "--transformer-impl") == "transformer_engine" and value(lm, "--normalization") == "RMSNorm"
     assert value(lm, "--position-embedding-type") == "rope" and value(lm, "--num-query-groups") == "8"
     assert value(lm, "--ffn-hidden-size") == "5504" and value(lm, "--hidden-dropout") == "0.0"
     assert {"--group-query-attention", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -75,7 +75,20 @@ def test_tp2_sp_and_llama_style_flags_reach_both_megatrons(tmp_path):
 def test_fallback_flags_are_upstream_switches_only_where_a_build_cannot_succeed():
     assert peers.fallbacks("megatron-deepspeed", 13) == ["--no-masked-softmax-fusion"]
     assert peers.fallbacks("megatron-deepspeed", 12) == [] and peers.fallbacks("torchtitan", 13) == []
-    assert peers.fallbacks("megatron-lm", 12) == ["--no-masked-softmax-fusion"]
+    assert peers.fallbacks("megatron-lm", 12) == ["--no-masked-softmax-fusion"]  # the local implementation
+    assert peers.fallbacks("megatron-lm", 13, "transformer_engine") == []  # TE brings its fused softmax
+
+
+def test_fp8_rows_give_megatron_lm_our_delayed_scaling_recipe():
+    """Both sides in FP8 hybrid with the same recipe: TE's delayed scaling, our margin and amax history."""
+    a = args_for(GPT13 + ["--fp8-format", "hybrid", "--fp8-margin", "1", "--fp8-amax-history-len", "16",
+                          "--fp8-amax-compute-algo", "max"])
+    lm = peers.megatron_lm_command(a, steps=4, data="/d", gpus=1)
+    assert value(lm, "--transformer-impl") == "transformer_engine" and value(lm, "--fp8-format") == "hybrid"
+    assert value(lm, "--fp8-recipe") == "delayed" and value(lm, "--fp8-margin") == "1"
+    assert value(lm, "--fp8-amax-history-len") == "16" and value(lm, "--fp8-amax-compute-algo") == "max"
+    plain = peers.megatron_lm_command(args_for(GPT13), steps=4, data="/d", gpus=1)
+    assert not [f for f in plain if f.startswith("--fp8")]
 
 
 def test_megatron_lm_without_zero_keeps_its_plain_optimizer():
@@ -115,8 +128,10 @@ def test_refusals_keep_a_record_from_comparing_different_runs():
     with pytest.raises(SystemExit, match="LLaMA-style"):
         peers.torchtitan_command(args_for(GPT13 + NODROP), steps=4, data="/d", gpus=1, compile_on=False,
                                  launcher=Path("l.py"))
-    with pytest.raises(SystemExit, match="--fp8-format is not translated"):
-        peers.check_flags(GPT13 + ["--fp8-format", "hybrid"])
+    with pytest.raises(SystemExit, match="--fp8-recipe is not translated"):
+        peers.check_flags(GPT13 + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
+    with pytest.raises(SystemExit, match="FP8 rows run against megatron-lm only"):
+        peers.run(["torchtitan", "--name", "x", "--"] + GPT13 + NODROP + LLAMA + ["--fp8-format", "hybrid"])
     peers.check_flags(GPT67_TP2SP + NODROP + LLAMA + DATA)
 
 

@@ -1,7 +1,9 @@
 """A child process for test_gpu_training: build the Trainer `entrypoint train` builds for the flags in argv, take
-three steps (compiling, allocating), then one more under CUDA's sync debug mode, and print (JSON) every
+three steps (compiling, allocating), then one more under CUDA's sync debug mode, with the loop's per-step
+bookkeeping (the learning rate, the non-finite watch: training/nonfinite.py), and print (JSON) every
 synchronisation that step made, with the Python stack that made it. A step that waits for the GPU leaves it idle
-while the host prepares the next one."""
+while the host prepares the next one. After it, outside the debug mode, the watch is read (as at a log line): it
+must find no bad step in these four."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def main(argv: list[str]) -> None:
     trainer = Trainer(settings)
     trainer.setup()
     for i in range(3):
-        trainer.train_step(i * settings.layout.global_batch_size)
+        skipped = trainer.engine.skipped_steps
+        trainer._watch_step(i + 1, trainer.train_step(i * settings.layout.global_batch_size), skipped)
     cuda = torch.cuda.is_available()  # (on CPU the script runs, and finds nothing to report)
     if cuda:
         torch.cuda.synchronize()
@@ -43,11 +46,14 @@ def main(argv: list[str]) -> None:
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
     try:
-        trainer.train_step(3 * settings.layout.global_batch_size)
+        skipped = trainer.engine.skipped_steps
+        trainer._watch_step(4, trainer.train_step(3 * settings.layout.global_batch_size), skipped)
         trainer._lr()  # what the loop reads every step
     finally:
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
+    assert trainer.nonfinite.enabled, "the non-finite watch is on by default"
+    trainer.nonfinite.check(4)  # raises NonFiniteError if the watch saw a bad step
     print("SYNCS " + json.dumps(syncs), flush=True)
 
 

@@ -54,9 +54,10 @@ def needs(n: int):
 def write_report() -> None:
     """After every run, not at the end: a call cut short by its time limit still brings back what it measured."""
     path = os.environ.get("MDS_GPU_REPORT")
-    if path and REPORT:
+    if path and REPORT:  # merged into what is there: another module's copy of REPORT may have written it
+        before = json.loads(open(path).read()) if os.path.exists(path) else {}
         with open(path, "w") as f:
-            json.dump(REPORT, f, indent=2)
+            json.dump({**before, **REPORT}, f, indent=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -260,6 +261,20 @@ def test_fp16_with_dynamic_loss_scaling_trains(tmp_path_factory, demo_corpus):
 
 
 @needs(1)
+def test_fp16_loss_scale_skips_are_not_non_finite_stops(tmp_path_factory, demo_corpus):
+    """fp16 from a loss scale of 2^40 with hysteresis 1: every early step's scaled gradients overflow, DeepSpeed
+    skips it and halves the scale; with the non-finite check on (the default) the run still reaches its last
+    iteration, exit 0 (training/nonfinite.py: a skipped step's norm is the scaler's business). (From Megatron's
+    2^32 with hysteresis 2 this small model's gradients never overflowed in 10 steps on an H200.)"""
+    train = run_train(tmp_path_factory, demo_corpus, "fp16_skips_1gpu",
+                      ["--fp16", "--initial-loss-scale", str(2.0 ** 40), "--hysteresis", "1"])
+    scales = [r["loss_scale"] for r in train]
+    REPORT["fp16_skips_1gpu"]["loss_scale"] = scales
+    assert scales[-1] < 2.0 ** 40, f"the scale falls only on an overflow: no step was skipped {scales}"
+    assert all(r["lm_loss"] is not None for r in train), train
+
+
+@needs(1)
 def test_a_model_too_large_for_the_gpu_says_what_to_change(tmp_path, demo_corpus):
     """A small model at micro batch 512 x sequence 2048 holds no GPU (its logits alone are 105 GB): the rank ends
     with exit 2 (a config error, not restarted) and a last paragraph that names the GPU, torch's own line and the
@@ -392,3 +407,25 @@ def test_one_gpu_under_max_restarts_runs_supervised_and_resumes_on_the_gpu(tmp_p
     assert len(starts) == 2 and all("device cuda" in line for line in starts), starts
     records = iterations(tmp_path / "metrics.jsonl")
     assert records[-1]["iteration"] == 60 and all(r["mem_gib"] > 0 for r in records), records[-1]
+
+
+@needs(1)
+def test_nonfinite_watch_marks_the_first_bad_step_without_a_synchronisation():
+    """The non-finite watch (training/nonfinite.py) tests each step's loss and gradient norm on the GPU without
+    waiting for it, and its one read (a log line, a save) names the first bad step and which value it was."""
+    from megatron_ds.training.nonfinite import NonFiniteError, NonFiniteWatch
+
+    watch = NonFiniteWatch(torch.device("cuda"), enabled=True, loss_scaled=False)
+    values = [(2.5, 1.0), (2.4, float("inf")), (float("nan"), float("nan")), (2.3, 0.5)]
+    steps = [(torch.tensor(loss, device="cuda"), torch.tensor(norm, device="cuda", dtype=torch.float64))
+             for loss, norm in values]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for iteration, (loss, norm) in enumerate(steps, start=1):
+            watch.add(iteration, loss, norm, skipped=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(NonFiniteError) as err:
+        watch.check(4)
+    assert (err.value.what, err.value.iteration, err.value.read_at) == (["grad norm"], 2, 4), str(err.value)

@@ -166,7 +166,7 @@ FLAGS: list[tuple[tuple[str, str | None], list[tuple[tuple[str, ...], dict]]]] =
                   "adds fused (the start-up log prints the compile time). Default: on with a CUDA GPU, off on "
                   "CPU (there the compile time dominates small runs) and on ROCm; off, with a notice, where "
                   "mds does not compile "
-                  "(Transformer Engine FP8, MS-AMP), where the explicit "
+                  "(MS-AMP), where the explicit "
                   "flag is refused. A compile failure falls back to the eager layers with one warning. "
                   "--no-torch-compile: eager"),
         flag("--tp-comm-overlap", nargs="?", const="auto", choices=["auto", "none", *OVERLAP_MODES],
@@ -297,6 +297,9 @@ FLAGS: list[tuple[tuple[str, str | None], list[tuple[tuple[str, ...], dict]]]] =
         flag("--adam-eps", type=float, default=1e-8),
         flag("--weight-decay", type=float, default=0.01),
         flag("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0 disables)"),
+        flag("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+             help="stop at a NaN/inf loss or gradient norm before saving it, exit 65, no restart (default on; "
+                  "fp16 loss-scale skips are not stops)"),
         flag("--seed", type=int, default=1234),
         flag("--exit-interval", type=int, help="exit after this iteration (saving first with --save)"),
         flag("--exit-duration-in-mins", type=float, help="exit (saving first) after this many minutes"),

@@ -226,7 +226,7 @@ def torch_compile(view: Resolver) -> bool:
     """--torch-compile given: refused where mds does not compile (rules.compile_off_reason). Not given: on by
     default with a CUDA GPU where mds compiles (measured faster there); eager on CPU, where compiling costs more
     than it saves in small runs and CI."""
-    from megatron_ds.training.arguments.rules import compile_off_reason, cuda_gpu_visible
+    from megatron_ds.training.arguments.rules import compile_off_reason, cuda_gpu_visible, fp8_engine
 
     asked = view.given("torch_compile")
     if asked:
@@ -240,6 +240,11 @@ def torch_compile(view: Resolver) -> bool:
         view.notices.append("note: torch.compile is off by default with MoE: the expert layers compile their "
                             "attention only (DeepSpeed's gate reads the capacity on the host) and that is not yet "
                             "measured against eager on a GPU; --torch-compile turns it on")
+        return False
+    if fp8_engine(view) == "te":
+        view.notices.append("note: torch.compile is off by default with Transformer Engine FP8: its GEMMs break the "
+                            "layer graph four times, and compiled measured no faster than eager (bench/RESULTS.md) "
+                            "while starting 24 s slower; --torch-compile compiles the layers around TE's GEMMs")
         return False
     why = compile_off_reason(view, view.dims)
     if why is not None:
