@@ -8,7 +8,9 @@ records ``state.state_dict()`` and restores it with ``state.load_state_dict``. `
 """
 
 from megatron_ds.checkpoint.checkpointing import Checkpointer, load, resolve, save
+from megatron_ds.checkpoint.disk import SAVE_FAILED_EXIT, SaveError
 from megatron_ds.checkpoint.metadata import CheckpointError
 from megatron_ds.checkpoint.preemption import StopAgreement
 
-__all__ = ["CheckpointError", "Checkpointer", "StopAgreement", "load", "resolve", "save"]
+__all__ = ["SAVE_FAILED_EXIT", "CheckpointError", "Checkpointer", "SaveError", "StopAgreement", "load", "resolve",
+           "save"]

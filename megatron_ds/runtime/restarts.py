@@ -1,9 +1,10 @@
 """In-job restarts (--max-restarts N, torchrun's name): run the node's ranks again after a failure or a hang.
 
 The ranks get the same command line, so a run with --load resumes from its `latest` checkpoint.
-Not restarted: success, a configuration error (exit 2: it would fail the same way), and a stop
-asked for from outside (TERM/INT to the launcher). A restart loop, i.e. SAME_FAILURE_LIMIT
-attempts in a row failing the same way at the same iteration, gives up with its cause.
+Not restarted: success, a configuration error (exit 2: it would fail the same way), a save the disk
+refused (exit 74: full or read-only, it would refuse the same save again after the steps since `latest`
+were trained once more), and a stop asked for from outside (TERM/INT to the launcher). A restart loop,
+i.e. SAME_FAILURE_LIMIT attempts in a row failing the same way at the same iteration, gives up with its cause.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from megatron_ds.runtime.watchdog import HANG_EXIT
 
 CONFIG_ERROR = 2
+SAVE_FAILED = 74  # megatron_ds.checkpoint.SAVE_FAILED_EXIT (runtime imports no training package)
 SAME_FAILURE_LIMIT = 2
 
 
@@ -47,7 +49,7 @@ class RestartPolicy:
     def should_restart(self, failure: Failure, stopped_from_outside: bool) -> bool:
         """Record the failure; True when the ranks should run again (the reason is logged either way)."""
         self.failures.append(failure)
-        if failure.code == CONFIG_ERROR or stopped_from_outside or self.max_restarts <= 0:
+        if failure.code in (CONFIG_ERROR, SAVE_FAILED) or stopped_from_outside or self.max_restarts <= 0:
             return False
         recent = self.failures[-SAME_FAILURE_LIMIT:]
         if len(recent) == SAME_FAILURE_LIMIT and all(f.same_as(recent[-1]) for f in recent):
