@@ -53,13 +53,15 @@ def _one_error_line(result: subprocess.CompletedProcess, start: str) -> str:
     return lines[0]
 
 
-def test_full_disk_keeps_the_last_checkpoint_names_the_space_and_resumes(demo_corpus, tmp_path, mounts):
-    """Two ranks at ZeRO-2 (each writes its own optimizer partition): the ranks agree on the failure."""
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_full_disk_keeps_the_last_checkpoint_names_the_space_and_resumes(mode, demo_corpus, tmp_path, mounts):
+    """Two ranks at ZeRO-2 (each writes its own optimizer partition): the ranks agree on the failure. With
+    --async-save the background writer meets it and the end of training, waiting for it, exits the same way."""
     disk = tmp_path / "disk"
     disk.mkdir()
     mounts("-t", "tmpfs", "-o", "size=13m", "tmpfs", str(disk))
     ckpt = disk / "ckpt"
-    flags = ["--zero-stage", "2", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "10"]
+    flags = ["--zero-stage", "2", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "10", *mode]
     result = run(train_argv(demo_corpus, 2, flags, iters=30), tmp_path / "full", code=SAVE_FAILED)
     line = _one_error_line(result, "saving iteration 30 failed")
     assert "No space left on device (errno ENOSPC) writing " + str(ckpt / ".tmp-iter_0000030") in line, line
