@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import numpy as np
 import torch
@@ -127,6 +128,7 @@ class Writer:
     def start(self, job, commit) -> None:
         """Write the kept files and ``commit(group)`` in the background."""
         self.buffers = self.snapshot.done()
+        job.stalled_s = time.perf_counter() - job.started  # what training waited for: the copies are done
         _origin.clear()  # only live buffers are named: a freed address may come back as a CPU tensor's
         _origin.update(self.snapshot.origin)
         files, self.files = self.files, []

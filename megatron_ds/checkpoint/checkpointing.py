@@ -132,6 +132,8 @@ class SaveJob:
     save_rng: bool
     needed: int | None  # bytes, for the free-space warning and a failure's message
     failures: disk.Failures = field(default_factory=disk.Failures)
+    started: float = field(default_factory=time.perf_counter)
+    stalled_s: float | None = None  # --async-save: how long training waited (the host copy)
 
     @property
     def tag(self) -> str:
@@ -262,7 +264,9 @@ def _publish(job: SaveJob) -> None:
     meta.write(job.tmp_dir, metadata)
     paths.fsync_dir(job.tmp_dir)
     paths.publish(job.save_dir, os.path.basename(job.tmp_dir), job.tag)
-    _log(f"saved iteration {job.iteration} to {os.path.join(job.save_dir, job.tag)}")
+    took = time.perf_counter() - job.started
+    _log(f"saved iteration {job.iteration} to {os.path.join(job.save_dir, job.tag)} in {took:.1f} s"
+         + ("" if job.stalled_s is None else f" (in the background: training waited {job.stalled_s:.1f} s)"))
     pruned = paths.prune(job.save_dir, getattr(args, "keep_last_n_checkpoints", None) or 0)
     if pruned:
         _log(f"keep-last-{args.keep_last_n_checkpoints}: removed {', '.join(pruned)}")
