@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ds.checkpoint import disk
+
 _origin: dict[int, str] = {}  # data_ptr of a host copy -> the location torch.save names for the original
 
 
@@ -100,6 +102,8 @@ class Snapshot:
         """Wait for the copies (the device-to-host copy is the part of the save that stops training)."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
+        self.seen.clear()  # the originals (DeepSpeed's GPU clones under PP among them) go now, not at the next save
+        self.copies.clear()
         return self.used
 
 
@@ -137,11 +141,9 @@ class Writer:
         self.thread.start()
 
     def _run(self, job, files, commit) -> None:
-        from megatron_ds.checkpoint.checkpointing import _write_slowly
-
         try:
             for state_dict, path in files:
-                job.failures.attempt(path, _write_slowly, state_dict, path, self.zipfile)
+                job.failures.attempt(path, disk.write_file, state_dict, path, zipfile=self.zipfile)
             files.clear()
             commit(self.group)
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread by wait()

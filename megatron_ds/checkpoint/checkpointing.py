@@ -8,6 +8,10 @@ DeepSpeed writes the model, optimizer and ZeRO partitions, LR scheduler and loss
 ``<dir>/<tag>/``. We give it a temporary tag, add our metadata and one RNG file per rank, make
 every byte durable (each rank fsyncs the files it wrote), and only then does rank 0 rename the
 directory into place and move ``latest``. See layout.py for why that ordering is crash-safe.
+Every write goes through one sink (disk.py): a failed one is kept, the ranks agree on it, and the
+partial save is removed (exit 74); with --async-save the sink keeps host copies that a thread
+writes and commits the same way (background.py). A load takes the newest complete checkpoint when
+the one `latest` names is not (choose).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from megatron_ds.checkpoint import metadata as meta
 from megatron_ds.checkpoint import shape as model_shapes
 from megatron_ds.checkpoint.disk import SaveError
 from megatron_ds.checkpoint.metadata import CheckpointError, Layout
-from megatron_ds.env_settings import TEST_SLOW_SAVE
 
 _last_saved: tuple[str, int] | None = None  # (save dir, iteration) of this process's last save
 
@@ -181,7 +184,7 @@ def save(engine, args: Namespace, state, background=None) -> str | None:
     zipfile = getattr(getattr(engine, "checkpoint_engine", None), "zipfile_serialization", True)
     if background is None:
         def sink(state_dict, path):
-            job.failures.attempt(path, _write_slowly, state_dict, path, zipfile)
+            job.failures.attempt(path, disk.write_file, state_dict, path, zipfile=zipfile)
     else:
         sink = background.snapshot_sink(zipfile)
     with _routed_writes(engine, sink, job.failures, drop_optimizer=not save_optim):
@@ -195,11 +198,6 @@ def save(engine, args: Namespace, state, background=None) -> str | None:
     else:
         background.start(job, lambda group: commit(job, group))
     return os.path.join(save_dir, job.tag)
-
-
-def _write_slowly(state_dict, path: str, zipfile: bool) -> None:
-    disk.write_file(state_dict, path, zipfile=zipfile)
-    time.sleep(TEST_SLOW_SAVE.get())  # tests only: a save that a test can kill mid-write
 
 
 def _prepare(job: SaveJob) -> None:

@@ -3,7 +3,7 @@
 A full disk, a failing one (EIO) or a read-only one must not end a run with a torch traceback: every write of
 a save goes through ``write_file``, the first error a rank meets is kept in its ``Failures`` (the rank keeps
 walking through the save, so that every rank still meets the same collectives), and the ranks then agree on
-what failed. Pure filesystem code: torch only to serialize.
+what failed. Filesystem code: torch only to serialize.
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 
 import torch
 
 from megatron_ds.checkpoint import layout as paths
+from megatron_ds.checkpoint import metadata as meta
+from megatron_ds.env_settings import TEST_SLOW_SAVE
 
 SAVE_FAILED_EXIT = 74  # sysexits.h EX_IOERR: an input/output error, not a usage error (2) nor a crash (1)
 
@@ -53,6 +56,7 @@ def write_file(state, path: str, *, zipfile: bool = True) -> None:
         torch.save(state, f, _use_new_zipfile_serialization=zipfile)
         f.flush()
         os.fsync(f.fileno())
+    time.sleep(TEST_SLOW_SAVE.get())  # tests only: a save that a test can kill mid-write
 
 
 class Failures:
@@ -84,8 +88,6 @@ def free_bytes(directory: str) -> int | None:
 
 def last_save_bytes(save_dir: str) -> int | None:
     """The size of the checkpoint `latest` names (its manifest's total), or None when there is none."""
-    from megatron_ds.checkpoint import metadata as meta
-
     tag = paths.read_latest(save_dir)
     if tag is None:
         return None

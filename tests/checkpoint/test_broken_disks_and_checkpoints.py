@@ -11,6 +11,7 @@ losses after it bitwise those of the uninterrupted run), or with --no-ckpt-fallb
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -78,6 +79,22 @@ def test_full_disk_keeps_the_last_checkpoint_names_the_space_and_resumes(mode, d
     assert "resuming from iteration 20" in resumed.stdout + resumed.stderr
     assert sorted(metrics(tmp_path / "resumed")[0]) == list(range(21, 31))
     assert (ckpt / "latest").read_text() == "iter_0000030"
+
+
+def test_first_save_estimates_its_size_from_the_tensors(demo_corpus, tmp_path, mounts):
+    """No save yet to measure: the warning's size comes from the parameters (ZeRO-2, fp32: 4 bytes each for the
+    weights, 12 for the master copy and Adam's moments; the checkpoint is 5.9 MB)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk))
+    result = run(train_argv(demo_corpus, 1, ["--zero-stage", "2", "--save", str(disk / "ckpt")], iters=2),
+                 tmp_path / "run", code=SAVE_FAILED)
+    warning = _one_error_line(result, "warning: the save needs about")
+    needed = float(re.search(r"needs about ([\d.]+) MB", warning).group(1))
+    assert 5.5 <= needed <= 6.2, warning
+    line = _one_error_line(result, "saving iteration 2 failed")
+    assert "no complete checkpoint was saved before it: free space (or give --save another directory)" in line
+    assert not any((disk / "ckpt").glob(".tmp-*"))
 
 
 def test_read_only_disk_keeps_latest_and_writes_nothing(demo_corpus, tmp_path, mounts):
