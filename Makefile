@@ -46,7 +46,7 @@ test-system: ## install the system packages the tests use (Slurm, MPI, shellchec
 
 # GPU benchmarks; bench/device.sh has the stages, bench/RESULTS.md the table each one reproduces:
 # one_gpu_reference one_gpu_gbs128 one_gpu_hf dp2 pp2 tp2_sp_gpt67 tp2_sp_gpt27 ulysses ulysses_32k fp8 fp8_loss
-# startup whole_node node_restart two_nodes gpu_tests compile_faults moe peers cpu_tools
+# startup whole_node node_restart async_save two_nodes gpu_tests compile_faults moe peers cpu_tools
 BENCH_STAGES ?= one_gpu_reference
 .PHONY: bench
 bench: $(READY) ## GPU benchmark stages (BENCH_STAGES=one_gpu_reference by default); results in bench/results

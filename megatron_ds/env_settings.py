@@ -172,6 +172,9 @@ WATCHDOG_DIR: Setting[str | None] = Setting(
 TEST_SLOW_RANK: Setting[tuple[int, float] | None] = Setting(
     "MDS_TEST_SLOW_RANK", "RANK:SECONDS", None, _rank_seconds,
     doc="test hook: that rank sleeps SECONDS per step in its data path, to make a straggler")
+TEST_SLOW_SAVE: Setting[float] = Setting(
+    "MDS_TEST_SLOW_SAVE", "seconds", 0.0, _seconds,
+    doc="test hook: a save sleeps SECONDS after writing each checkpoint file, so a test can kill it mid-write")
 PATCH_MANIFEST: Setting[str | None] = Setting(
     "MDS_PATCH_MANIFEST", "file", None, _text,
     doc="the image's record of the patches applied at build (set by the image recipes), printed by "
@@ -210,7 +213,7 @@ FUSED_CROSS_ENTROPY: Setting[bool | None] = Setting(
 
 ALL: tuple[Setting, ...] = (PROFILE, PROFILE_PATH, CPU_BIND, RANK_LD_PRELOAD, SUPERVISED, STARTED_AT, SPAWNED_AT,
                             WATCHDOG_DIR,
-                            TEST_SLOW_RANK, PATCH_MANIFEST, IMAGE_FLAVOUR, SIGNAL_GRACE, PEAK_TFLOPS,
+                            TEST_SLOW_RANK, TEST_SLOW_SAVE, PATCH_MANIFEST, IMAGE_FLAVOUR, SIGNAL_GRACE, PEAK_TFLOPS,
                             INDUCTOR_OPTIONS, TP_COLLECTIVES, ALLOW_TP_COMPILE, FUSED_CROSS_ENTROPY)
 
 

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
         print_notices(args)
     from torch.cuda import OutOfMemoryError
 
-    from megatron_ds.checkpoint import CheckpointError
+    from megatron_ds.checkpoint import SAVE_FAILED_EXIT, CheckpointError, SaveError
     from megatron_ds.training.loop import train
     from megatron_ds.training.lr_schedule import ScheduleMismatch
 
@@ -77,6 +77,8 @@ def main(argv: list[str]) -> int:
         code = train(args)
     except (CheckpointError, ScheduleMismatch) as err:  # missing, partial or mismatched --load: a config error
         code = _error(str(err))
+    except SaveError:  # full, failing or read-only disk: rank 0 named it in one line while the ranks agreed
+        code = SAVE_FAILED_EXIT
     except OutOfMemoryError as err:  # a size this GPU cannot hold: a config error too (no restart would help)
         code = _out_of_memory(settings, err)
     leave_rank(code)

@@ -337,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only; iteration restarts at 0")
     g.add_argument("--keep-last-n-checkpoints", type=int)
+    g.add_argument("--ckpt-step", type=int, metavar="N", help="load iteration N of --load, not the one `latest` names")
+    g.add_argument("--no-ckpt-fallback", action="store_true",
+                   help="when `latest` names a partial or corrupt checkpoint (or nothing), exit 2 naming the newest "
+                        "complete one instead of resuming from it with a warning")
+    g.add_argument("--async-save", action="store_true",
+                   help="copy each checkpoint to host memory and write it in the background while training goes on")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100)

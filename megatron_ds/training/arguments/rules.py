@@ -372,6 +372,15 @@ def _checkpoints(args: argparse.Namespace) -> None:
         raise ConfigError("--save-interval", f"must be positive (got {args.save_interval})")
     if args.keep_last_n_checkpoints is not None and args.keep_last_n_checkpoints <= 0:
         raise ConfigError("--keep-last-n-checkpoints", "must be positive")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ConfigError("--ckpt-step", f"must be an iteration >= 0 (got {args.ckpt_step})")
+    if args.ckpt_step is not None and not args.load:
+        raise ConfigError("--ckpt-step", "needs --load DIR, the directory whose iter_N it loads")
+    if args.ckpt_step is not None and args.max_restarts:
+        raise ConfigError("--ckpt-step", "with --max-restarts every restart would load that iteration again, "
+                          "losing the checkpoints saved since: resume once with --ckpt-step, then without it")
+    if args.async_save and not args.save:
+        raise ConfigError("--async-save", "needs --save DIR (there is nothing to write without it)")
 
 
 def _data_files(args: argparse.Namespace) -> None:
