@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A Debian trixie root holding Slurm 24.11, munge and runc, for the Slurm container tests (tests/slurm_container):
+# bookworm's Slurm 22.05 runs one task per node in an OCI container step and hands the container no task variables,
+# trixie's 24.11 runs `srun -n 2 --container=BUNDLE` as users on current clusters do. The tests enter the root with
+# scripts/slurm24-enter.sh (pivot_root in a private mount namespace) and start its daemons on their own ports.
+#
+# usage: scripts/setup-slurm24-root.sh [ROOT]     (default: .cache/slurm24-root in the repository; root + debootstrap)
+# Idempotent: a root that is complete (its stamp names the same packages) is kept as is, in well under a second;
+# otherwise it is built anew beside and moved into place only when complete.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="${1:-${REPO}/.cache/slurm24-root}"
+SUITE=trixie
+MIRROR="${MDS_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+PACKAGES=(slurmd slurmctld slurm-client munge runc)
+STAMP="${ROOT}/.mds-root"
+
+if [ -f "${STAMP}" ] && [ "$(cat "${STAMP}")" = "${SUITE}: ${PACKAGES[*]}" ]; then
+    echo "mds: slurm24 root: ${ROOT} is complete (${SUITE}: ${PACKAGES[*]})"
+    exit 0
+fi
+[ "$(id -u)" -eq 0 ] || { echo "mds: slurm24 root: needs root (debootstrap, chroot)" >&2; exit 1; }
+command -v debootstrap >/dev/null || PATH="$PATH:/usr/sbin:/sbin"
+command -v debootstrap >/dev/null || { echo "mds: slurm24 root: debootstrap not found (apt-get install debootstrap)" >&2; exit 1; }
+
+NEW="${ROOT}.new"
+rm -rf "${NEW}"
+mkdir -p "$(dirname "${ROOT}")"
+echo "+ debootstrap --variant=minbase ${SUITE} ${NEW} ${MIRROR}"
+debootstrap --variant=minbase "${SUITE}" "${NEW}" "${MIRROR}" > "${NEW}.log" 2>&1 \
+    || { tail -n 20 "${NEW}.log" >&2; echo "mds: slurm24 root: debootstrap failed (log above)" >&2; exit 1; }
+# A frozen snapshot of the archive carries Release files past their Valid-Until date; services must not start
+# inside the build (the tests start the daemons themselves).
+echo 'Acquire::Check-Valid-Until "false";' > "${NEW}/etc/apt/apt.conf.d/99mds-snapshot"
+printf '#!/bin/sh\nexit 101\n' > "${NEW}/usr/sbin/policy-rc.d"
+chmod 755 "${NEW}/usr/sbin/policy-rc.d"
+cp -L /etc/resolv.conf "${NEW}/etc/resolv.conf"
+echo "+ chroot ${NEW} apt-get install ${PACKAGES[*]}"
+in_root() { chroot "${NEW}" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive "$@"; }
+{ in_root apt-get update -q && in_root apt-get install -q -y --no-install-recommends "${PACKAGES[@]}"; } >> "${NEW}.log" 2>&1 \
+    || { tail -n 20 "${NEW}.log" >&2; echo "mds: slurm24 root: apt-get install failed (log above)" >&2; exit 1; }
+in_root apt-get clean
+in_root slurmd -V
+echo "${SUITE}: ${PACKAGES[*]}" > "${NEW}/.mds-root"
+rm -rf "${ROOT}"
+mv "${NEW}" "${ROOT}"
+mv "${NEW}.log" "${ROOT}.log"
+echo "mds: slurm24 root: ${ROOT} ready"
