@@ -28,7 +28,7 @@ mount -t proc proc "$root/proc"
 mount --rbind /sys "$root/sys"
 mount --rbind /dev "$root/dev"
 mount -t tmpfs tmpfs "$root/tmp"
-for file in /etc/hosts /etc/resolv.conf; do mount --bind "$file" "$root$file"; done
+for file in /etc/hosts /etc/resolv.conf; do touch "$root$file"; mount --bind "$file" "$root$file"; done
 while [ "$1" != "--" ]; do
     mkdir -p "$root$1"
     mount --rbind "$1" "$root$1"

@@ -74,6 +74,11 @@ def free_port() -> int:
 
 
 class Slurm:
+    """A one-node cluster in `root`. `enter` prefixes every daemon and command (Slurm24: another root's Slurm)."""
+
+    name = "mdstest"
+    enter: list[str] = []
+
     def __init__(self, root: Path):
         self.root = root
         self.conf = root / "slurm.conf"
@@ -82,6 +87,11 @@ class Slurm:
 
     def env(self, **extra: str) -> dict[str, str]:
         return clean_env(SLURM_CONF=str(self.conf), **extra)
+
+    def run(self, argv: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        """A Slurm command (srun, sbatch, scontrol...) against this cluster; `env` extends the cluster's."""
+        env = self.env(**kw.pop("env", {}))
+        return subprocess.run([*self.enter, *argv], env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
     def logs(self) -> str:
         text = []
@@ -93,11 +103,12 @@ class Slurm:
 
     def _start(self, argv: list[str]) -> None:
         out = open(self.root / "daemons.out", "ab")
-        self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(subprocess.Popen([*self.enter, *argv], env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
 
     def start(self) -> None:
         for tool in ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo"):
-            if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
+            if not self.enter and not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
                 pytest.fail(f"{tool} not found: install slurm-wlm and munge (`make test` does, as root)")
         if os.geteuid() != 0:
             pytest.fail("the local Slurm needs root (slurmd runs as root): run the tests as root (CI does)")
@@ -106,13 +117,13 @@ class Slurm:
         (r / "state").mkdir()
         (r / "spool").mkdir()
         key = r / "munge.key"
-        subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
+        subprocess.run([*self.enter, "mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
         sock = r / "munge.sock"
         self._start(["munged", "-F", "--force", f"--socket={sock}", f"--key-file={key}", f"--log-file={r}/munged.log",
                      f"--pid-file={r}/munged.pid", f"--seed-file={r}/munged.seed"])
         cpus = max(4, os.cpu_count() or 1)
         self.conf.write_text("\n".join([
-            "ClusterName=mdstest", f"SlurmctldHost={self.hostname}(127.0.0.1)",
+            f"ClusterName={self.name}", f"SlurmctldHost={self.hostname}(127.0.0.1)",
             f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "AuthType=auth/munge", f"AuthInfo=socket={sock}", "CredType=cred/munge",
             "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool",
@@ -133,7 +144,7 @@ class Slurm:
         deadline = time.monotonic() + 60
         state = ""
         while time.monotonic() < deadline:
-            result = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), capture_output=True, text=True)
+            result = self.run(["sinfo", "-h", "-o", "%T"])
             state = result.stdout.strip()
             if state in ("idle", "mixed", "allocated"):
                 return
