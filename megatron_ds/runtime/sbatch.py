@@ -119,8 +119,9 @@ def _container(a, profile) -> list[str]:
         for bind in binds:
             words += ["-B", _dq(bind)]
         return words + [a.image]
-    if a.runtime == "oci":
-        return [_Shell(f"--container={shlex.quote(a.image)}")]
+    if a.runtime == "oci":  # the container starts in the bundle's cwd: the task moves to the work directory itself
+        return [_Shell(f"--container={shlex.quote(a.image)}"), "sh", "-c", 'cd "$0" && exec "$@"',
+                _Shell('"${WORKDIR}"')]
     return []
 
 
@@ -167,6 +168,8 @@ def render(a, profile) -> str:
             words += ["--env", f"{PROFILE.name}={a.profile}"]
     segments = [words, _container(a, profile), [a.entrypoint, *command]]
     launch = " \\\n    ".join(" ".join(_quote(w) for w in seg) for seg in segments if seg)
+    if a.runtime == "oci":
+        body.append("# shellcheck disable=SC2016  # $0 and $@ are the container shell's")
     return "\n".join(header + [""] + body + [launch, ""])
 
 

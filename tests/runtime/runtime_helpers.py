@@ -165,3 +165,47 @@ class Slurm:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+
+
+REPO = HERE.parents[1]
+SLURM24_ROOT = REPO / ".cache" / "slurm24-root"
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # the image's PATH, and the root's
+
+
+def write_oci_conf(cluster: Slurm) -> None:
+    """oci.conf beside slurm.conf (Slurm reads it at each step): run the bundle with runc, its state in the cluster's
+    directory. %n.%u.%j.%s.%t names one container per node, user, job, step and task."""
+    runc = f"runc --root={cluster.root}/runc"
+    name = "%n.%u.%j.%s.%t"
+    (cluster.root / "oci.conf").write_text("\n".join([
+        f'RunTimeQuery="{runc} state {name}"', f'RunTimeKill="{runc} kill -a {name}"',
+        f'RunTimeDelete="{runc} delete --force {name}"', f'RunTimeRun="{runc} run {name} -b %b"', ""]))
+
+
+class Slurm24(Slurm):
+    """Slurm 24.11 from a Debian trixie root (scripts/setup-slurm24-root.sh: built once, cached in .cache/), every
+    daemon and command entered with scripts/slurm24-enter.sh, with an oci.conf running runc: `srun -n 2
+    --container=BUNDLE` runs two tasks in one container step, each with its task variables. `binds` are the host
+    directories seen inside (the bundle, the jobs' work directories), at their own paths."""
+
+    name = "mds24"
+
+    def __init__(self, root: Path, binds: list[Path]):
+        super().__init__(root)
+        self.enter = ["bash", str(REPO / "scripts" / "slurm24-enter.sh"), str(SLURM24_ROOT), str(root),
+                      *map(str, binds), "--"]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        # Slurm hands srun's environment to the container: the image's PATH, nothing of the host's venv
+        return {"PATH": IMAGE_PATH, "HOME": "/root", "LANG": "C.UTF-8", "SLURM_CONF": str(self.conf), **extra}
+
+    def start(self) -> None:
+        built = subprocess.run(["bash", str(REPO / "scripts" / "setup-slurm24-root.sh"), str(SLURM24_ROOT)],
+                               capture_output=True, text=True, timeout=1200)
+        if built.returncode != 0:
+            pytest.fail(f"the Slurm 24.11 root could not be built (scripts/setup-slurm24-root.sh):\n"
+                        f"{built.stdout[-3000:]}{built.stderr[-3000:]}")
+        if os.geteuid() != 0:
+            pytest.fail("the Slurm 24.11 cluster needs root (pivot_root, slurmd): run the tests as root (CI does)")
+        write_oci_conf(self)
+        super().start()
