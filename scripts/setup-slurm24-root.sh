@@ -12,7 +12,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 ROOT="${1:-${REPO}/.cache/slurm24-root}"
 SUITE=trixie
-MIRROR="${MDS_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+MIRROR=http://deb.debian.org/debian
 PACKAGES=(slurmd slurmctld slurm-client munge runc)
 STAMP="${ROOT}/.mds-root"
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from runtime_helpers import ENTRYPOINT, IMAGE_PATH, PROBE, Slurm, Slurm24, asser
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.slurm_container]
 
 IMAGE = "mds:cpu-test"  # the tag tests/images/test_docker_build.py builds: one build (or its cache) serves both
+CACHE = ROOT / ".cache" / "slurm-container"
+BUNDLE, WORK = CACHE / "mds-bundle", CACHE / "work"
 JOB_STATES_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -64,31 +67,35 @@ def wait_for_job(cluster, job_id: str, timeout: float) -> str:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("oci-work")
-
-
-@pytest.fixture(scope="module")
-def bundle(docker, work, demo_corpus, tmp_path_factory):
-    """The CPU image (built by make, or found in Docker's layer cache) as an OCI bundle binding the work directory
-    and the corpus."""
-    build = subprocess.run(["make", "--no-print-directory", "image-cpu", f"IMAGE_CPU={IMAGE}", f"DOCKER={docker}"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
-    path = tmp_path_factory.mktemp("oci") / "mds-bundle"
-    start = time.monotonic()
-    made = subprocess.run([str(ROOT / "scripts" / "oci-bundle"), IMAGE, str(path), str(work),
-                           str(Path(demo_corpus.prefix).parent)], env=dict(os.environ, DOCKER=docker),
-                          capture_output=True, text=True, timeout=600)
-    assert made.returncode == 0, made.stdout + made.stderr
-    print(f"\nmds: OCI bundle of {IMAGE} made in {time.monotonic() - start:.1f} s")
+def work():
+    """This run's work directory, under one the bundle binds (the bundle outlives the run: see `bundle`)."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
     yield path
     shutil.rmtree(path)
 
 
 @pytest.fixture(scope="module")
+def bundle(docker, demo_corpus):
+    """The CPU image (built by make, or found in Docker's layer cache) as an OCI bundle binding the work directories
+    and the corpus: kept in .cache/ while the image is the same (scripts/oci-bundle keeps it), since removing its
+    1.5 GB takes longer than making it."""
+    build = subprocess.run(["make", "--no-print-directory", "image-cpu", f"IMAGE_CPU={IMAGE}", f"DOCKER={docker}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    start = time.monotonic()
+    WORK.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run([str(ROOT / "scripts" / "oci-bundle"), IMAGE, str(BUNDLE), str(WORK),
+                           str(Path(demo_corpus.prefix).parent)], env=dict(os.environ, DOCKER=docker),
+                          capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stdout + made.stderr
+    print(f"\nmds: {made.stdout.strip()} in {time.monotonic() - start:.1f} s")
+    return BUNDLE
+
+
+@pytest.fixture(scope="module")
 def slurm24(tmp_path_factory, bundle, work, demo_corpus):
-    cluster = Slurm24(tmp_path_factory.mktemp("slurm24"), [bundle, work, Path(demo_corpus.prefix).parent])
+    cluster = Slurm24(tmp_path_factory.mktemp("slurm24"), [bundle, WORK, Path(demo_corpus.prefix).parent])
     cluster.start()
     yield cluster
     cluster.stop()
