@@ -66,6 +66,21 @@ def wait_for_job(cluster, job_id: str, timeout: float) -> str:
     raise AssertionError(f"job {job_id} did not finish in {timeout} s")
 
 
+def submit_and_check_training(cluster, script: Path, reference: dict[int, float]) -> None:
+    """sbatch SCRIPT from its directory: the job reaches COMPLETED, its metrics (written relative to the submit
+    directory) are the reference run's, and its output holds the loss lines."""
+    submit = cluster.run(["sbatch", "--parsable", str(script)], cwd=script.parent)
+    assert submit.returncode == 0, submit.stderr + cluster.logs()
+    job_id = submit.stdout.strip().split(";")[0]
+    state = wait_for_job(cluster, job_id, timeout=400)
+    log = (script.parent / f"mds-{job_id}.out").read_text()
+    assert state == "COMPLETED ExitCode=0:0", state + log[-4000:] + cluster.logs()
+    got = losses(script.parent / "metrics.jsonl")
+    assert_same_losses(got, reference, log[-2000:])
+    for step, loss in got.items():
+        assert f"iteration {step:8d}/       4" in log and f"lm loss: {loss:.6E}" in log, log[-3000:]
+
+
 @pytest.fixture(scope="module")
 def work():
     """This run's work directory, under one the bundle binds (the bundle outlives the run: see `bundle`)."""
@@ -134,16 +149,23 @@ def test_sbatch_oci_script_reaches_completed_with_the_losses(slurm24, bundle, wo
                           "--", *train_flags(demo_corpus, "metrics.jsonl")], capture_output=True, text=True,
                          timeout=60)
     assert gen.returncode == 0, gen.stderr
-    submit = slurm24.run(["sbatch", "--parsable", str(script)], cwd=job_dir)
-    assert submit.returncode == 0, submit.stderr + slurm24.logs()
-    job_id = submit.stdout.strip().split(";")[0]
-    state = wait_for_job(slurm24, job_id, timeout=400)
-    log = (job_dir / f"mds-{job_id}.out").read_text()
-    assert state == "COMPLETED ExitCode=0:0", state + log[-4000:] + slurm24.logs()
-    got = losses(job_dir / "metrics.jsonl")
-    assert_same_losses(got, reference, log[-2000:])
-    for step, loss in got.items():
-        assert f"iteration {step:8d}/       4" in log and f"lm loss: {loss:.6E}" in log, log[-3000:]
+    submit_and_check_training(slurm24, script, reference)
+
+
+def test_sbatch_apptainer_script_reaches_completed_with_the_losses(slurm24, bundle, work, demo_corpus, reference):
+    """`entrypoint sbatch --runtime apptainer` under Slurm 24.11: each task runs the root's Apptainer (sid's) on the
+    image, here the bundle's unpacked root file system (a sandbox: the same files a SIF of the image holds, without
+    building one), with the corpus bound by --mount."""
+    job_dir = work / "sbatch-apptainer"
+    job_dir.mkdir()
+    script = job_dir / "job.sh"
+    corpus = str(Path(demo_corpus.prefix).parent)
+    gen = subprocess.run([ENTRYPOINT, "sbatch", "--nodes", "1", "--gpus-per-node", "0", "--ntasks-per-node", "2",
+                          "--runtime", "apptainer", "--image", str(bundle / "rootfs"), "--mount", corpus,
+                          "--time", "00:05:00", "-o", str(script), "--", *train_flags(demo_corpus, "metrics.jsonl")],
+                         capture_output=True, text=True, timeout=60)
+    assert gen.returncode == 0, gen.stderr
+    submit_and_check_training(slurm24, script, reference)
 
 
 def test_slurm_22_05_container_step_is_placed_from_its_node_list(bundle, work, tmp_path_factory):
