@@ -103,8 +103,9 @@ class Slurm:
 
     def _start(self, argv: list[str]) -> None:
         out = open(self.root / "daemons.out", "ab")
+        # in the cluster's directory: whatever a daemon leaves in its working directory (a core file) stays there
         self.procs.append(subprocess.Popen([*self.enter, *argv], env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+                                           cwd=self.root, start_new_session=True))
 
     def start(self) -> None:
         for tool in ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo"):

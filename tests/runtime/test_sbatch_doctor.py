@@ -55,7 +55,8 @@ def test_script_contents(tmp_path):
 
     oci = _generate(tmp_path, "oci", VARIANTS[2][1]).read_text()
     assert "--container='/shared/mds bundle'" in oci and "scripts/oci-bundle IMAGE BUNDLE" in oci
-    assert "--container-image" not in oci and "exec" not in oci.split("srun", 1)[1]
+    assert "--container-image" not in oci and "CONTAINER_CMD" not in oci
+    assert 'sh -c \'cd "$0" && exec "$@"\' "${WORKDIR}"' in oci  # the ranks start in the submit directory
 
 
 @pytest.mark.parametrize("flags, names", [
