@@ -27,7 +27,9 @@ from runtime_helpers import ENTRYPOINT, IMAGE_PATH, PROBE, Slurm, Slurm24, asser
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.slurm_container]
 
-IMAGE = "mds:cpu-test"  # the tag tests/images/test_docker_build.py builds: one build (or its cache) serves both
+# The CPU image under a tag of its own: the same recipe and tree as tests/images/test_docker_build.py's mds:cpu-test,
+# so Docker's layer cache makes the two one build, and the bundle (kept while the image id is the same) stays valid.
+IMAGE = "mds:cpu-slurm-test"
 CACHE = ROOT / ".cache" / "slurm-container"
 BUNDLE, WORK = CACHE / "mds-bundle", CACHE / "work"
 JOB_STATES_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
