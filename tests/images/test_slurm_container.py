@@ -83,7 +83,9 @@ def submit_and_check_training(cluster, script: Path, reference: dict[int, float]
         assert f"iteration {step:8d}/       4" in log and f"lm loss: {loss:.6E}" in log, log[-3000:]
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: under pytest-xdist the module-scoped ones were set up twice in one run (the image build, the bundle
+# check, the cluster and the reference run once more: a minute).
+@pytest.fixture(scope="session")
 def work():
     """This run's work directory, under one the bundle binds (the bundle outlives the run: see `bundle`)."""
     WORK.mkdir(parents=True, exist_ok=True)
@@ -92,7 +94,7 @@ def work():
     shutil.rmtree(path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bundle(docker, demo_corpus):
     """The CPU image (built by make, or found in Docker's layer cache) as an OCI bundle binding the work directories
     and the corpus: kept in .cache/ while the image is the same (scripts/oci-bundle keeps it), since removing its
@@ -110,7 +112,7 @@ def bundle(docker, demo_corpus):
     return BUNDLE
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm24(tmp_path_factory, bundle, work, demo_corpus):
     cluster = Slurm24(tmp_path_factory.mktemp("slurm24"), [bundle, WORK, Path(demo_corpus.prefix).parent])
     cluster.start()
@@ -118,7 +120,7 @@ def slurm24(tmp_path_factory, bundle, work, demo_corpus):
     cluster.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(work, demo_corpus):
     """The run outside any container: this venv's entrypoint, two local ranks."""
     metrics = work / "reference.jsonl"
