@@ -121,3 +121,27 @@ def test_doctor_strict_fails_on_the_wrong_platform_and_a_broken_manifest(tmp_pat
     if not report["gpus"]:
         assert checks["flash_attn"]["state"] == "unverified" and "flash_attn" not in report["failures"]
     assert checks["apex"]["state"] == "BROKEN" and "undefined symbol" in checks["apex"]["detail"]
+
+
+def test_oci_bundle_config_shares_the_hosts_network_and_binds_each_dir(tmp_path):
+    """scripts/oci-bundle's config.json (the bundle `--runtime oci` runs): ranks on the host's network and host name,
+    the devices of the host, each DIR at its own path; a DIR that does not exist exits 2 naming it."""
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "oci-bundle"
+    loader = importlib.machinery.SourceFileLoader("oci_bundle", str(script))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("oci_bundle", loader))
+    loader.exec_module(module)
+    spec = module.config(["PATH=/usr/bin"], "/workspace", ["/shared/data", "/shared/ckpt"])
+    assert {n["type"] for n in spec["linux"]["namespaces"]} == {"pid", "ipc", "mount"}  # no network, no uts
+    assert "hostname" not in spec and spec["process"]["terminal"] is False
+    assert spec["process"]["env"] == ["PATH=/usr/bin"] and spec["process"]["cwd"] == "/workspace"
+    binds = {m["destination"]: m for m in spec["mounts"] if m["type"] == "bind"}
+    for path in ("/shared/data", "/shared/ckpt", "/etc/hosts", "/etc/resolv.conf", "/dev"):
+        assert binds[path]["source"] == path, path
+    assert "rw" in binds["/shared/data"]["options"] and "ro" in binds["/etc/hosts"]["options"]
+    missing = subprocess.run([str(script), "mds:latest", str(tmp_path / "b"), str(tmp_path / "nowhere")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and f"{tmp_path / 'nowhere'} is not a directory" in missing.stderr
