@@ -178,6 +178,7 @@ def test_slurm_22_05_container_step_is_placed_from_its_node_list(bundle, work, t
     host's place in the step's node list, and `entrypoint launch --nproc-per-node 2` starts the node's ranks; inside
     a batch script (where the container sees the batch shell's variables instead) too."""
     cluster = Slurm(tmp_path_factory.mktemp("slurm2205"))
+    cluster.first_job_id = 8000  # beside tests/runtime's cluster (from 1) and Slurm24's (5000)
     write_oci_conf(cluster)
     cluster.start()
     try:

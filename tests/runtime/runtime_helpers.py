@@ -78,6 +78,9 @@ class Slurm:
 
     name = "mdstest"
     enter: list[str] = []
+    # A job's ranks take MASTER_PORT from its job id: clusters running side by side (two pytest-xdist workers) number
+    # their jobs from different bases, so their jobs' ports differ.
+    first_job_id = 1
 
     def __init__(self, root: Path):
         self.root = root
@@ -124,7 +127,7 @@ class Slurm:
                      f"--pid-file={r}/munged.pid", f"--seed-file={r}/munged.seed"])
         cpus = max(4, os.cpu_count() or 1)
         self.conf.write_text("\n".join([
-            f"ClusterName={self.name}", f"SlurmctldHost={self.hostname}(127.0.0.1)",
+            f"ClusterName={self.name}", f"FirstJobId={self.first_job_id}", f"SlurmctldHost={self.hostname}(127.0.0.1)",
             f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "AuthType=auth/munge", f"AuthInfo=socket={sock}", "CredType=cred/munge",
             "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool",
@@ -190,6 +193,7 @@ class Slurm24(Slurm):
     directories seen inside (the bundle, the jobs' work directories), at their own paths."""
 
     name = "mds24"
+    first_job_id = 5000
 
     def __init__(self, root: Path, binds: list[Path]):
         super().__init__(root)
