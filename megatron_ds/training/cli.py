@@ -34,6 +34,8 @@ def main(argv: list[str]) -> int:
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
         settings = validate(args, plan.ranks()[0].world_size)
+        if args.dry_run:  # what the flags resolved to (ALCF's values among them), before the estimate
+            print_notices(args)
         if os.environ.get("RANK") is None or args.dry_run:  # the launcher (or a lone rank): before any GPU work
             fit = memory_estimate.check_fits(settings, memory_estimate.gpu_memory_gib())
     except ConfigError as err:

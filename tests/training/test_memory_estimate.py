@@ -128,6 +128,22 @@ def test_alcf_gpt25b_on_four_h200s_is_refused_before_any_gpu_work(tmp_path, demo
     assert "nothing started (--dry-run)" in dry.stdout and "spawning" not in dry.stderr
 
 
+def test_the_seeds_alcf_line_dry_runs_to_the_estimate_and_a_layout_that_fits(tmp_path):
+    """The seed's ALCF launch line as it is (no schedule, data or tokenizer flags): ALCF's values fill the rest and
+    the dry run refuses DP=4 with the memory it needs and a layout that fits 4 pretend H200s."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(_fake_nvidia_smi(tmp_path, 143771), MODEL_SIZE_KEY="GPT25B", SEQ_LEN="4096", USE_FLASH_ATTN_V2="1",
+               MICRO_BATCH="1", GAS="1", SP_TYPE="megatron", ZERO_STAGE="1", CUDA_VISIBLE_DEVICES="0,1,2,3")
+    result = subprocess.run([ENTRYPOINT, "train", "--dry-run", "--nproc-per-node", "4"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "from ALCF's variables: --seq-length 4096 (SEQ_LEN), --max-position-embeddings 4096 (SEQ_LEN)" \
+        in result.stderr
+    assert "ALCF's defaults (ALCF variables are set; a flag wins): --lr 0.00015" in result.stderr
+    assert "this run needs about 242.6 GiB per GPU" in result.stderr and "a layout that fits: --" in result.stderr
+    assert "exceeds --max-position-embeddings" not in result.stderr and "spawning" not in result.stderr
+
+
 def test_fp8_and_offloaded_runs_are_estimated_but_not_refused(demo_corpus):
     """The 16-bit count overestimates FP8 (GPT-1.3B: 72 against 54 GiB measured) and ZeRO offload, so those runs
     are never refused on it (FP8 itself validates only where a GPU is: its flags are set on a copy here)."""
