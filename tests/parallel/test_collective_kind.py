@@ -1,6 +1,6 @@
 """Which collectives parallel/mappings.py calls: torch's functional ones inside a compiled graph (torch 2.11's dynamo
 mis-differentiates the c10d calls there, pytorch#180642), c10d's in eager layers (the functional wrappers cost host
-time per call: eager GPT-2.7B TP=2+SP ran 1.011-1.021x faster on c10d's, bench/RESULTS.md session 25)."""
+time per call: eager GPT-2.7B TP=2+SP ran 1.011-1.021x faster on c10d's, bench/RESULTS.md)."""
 
 from __future__ import annotations
 
