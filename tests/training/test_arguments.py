@@ -173,6 +173,8 @@ def test_alcf_variables_set_what_alcfs_scripts_set(files):
                       env=dict(ALCF_SEED, TRAIN_ITER="20"))
     assert (mine.lr, mine.split, mine.seq_length, mine.train_iters, mine.min_lr) == (3e-4, "98,2,0", 1024, 20, 1e-5)
     assert not any("--lr 0.00015" in n for n in mine.notices)
+    warmup = parse_args([*argv, "--lr-warmup-iters", "2", "--train-samples", "40"], env=ALCF_SEED)
+    assert (warmup.lr_warmup_fraction, warmup.train_iters, warmup.lr_warmup_iters) == (None, None, 2)
     plain = parse_args(argv, env={})
     assert (plain.lr, plain.train_iters, plain.split, plain.lr_decay_style) == (None, None, "969, 30, 1", "linear")
     assert not any("ALCF" in n for n in plain.notices)

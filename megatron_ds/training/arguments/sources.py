@@ -129,8 +129,10 @@ def _from_alcf_defaults(args: argparse.Namespace, env: Mapping[str, str], parser
         return
     options = {action.dest: action.option_strings for action in parser._actions}
     given = {arg.split("=")[0] for arg in args.argv if arg.startswith("-")}
-    # what another flag decides instead: the length by samples, lr by the DeepSpeed config, precision by --fp16
-    decided = {"train_iters": args.train_samples is not None, "lr": bool(args.deepspeed_config), "bf16": args.fp16}
+    # what another flag decides instead: the length by samples, the warm-up by its own length, lr by the DeepSpeed
+    # config, the precision by --fp16
+    decided = {"train_iters": args.train_samples is not None, "lr": bool(args.deepspeed_config), "bf16": args.fp16,
+               "lr_warmup_fraction": any((args.lr_warmup_iters, args.lr_warmup_samples, args.lr_warmup_tokens))}
     taken = []
     for dest, value in ALCF_DEFAULTS.items():
         if given & set(options[dest]) or getattr(args, dest) != parser.get_default(dest) or decided.get(dest):
