@@ -8,8 +8,8 @@ import. Where the variable is set for child processes (the supervisor, the launc
 
 Only MDS_* variables live here: those of other tools (RANK, SLURM_*, NCCL_*, TORCHINDUCTOR_*, ...) are read
 where their concern lives (runtime/discovery.py, runtime/profiles.py). This module imports the standard library
-only, so any layer of the package may ask it. tests/test_env_settings.py fails when another module of the package
-spells an MDS_* name itself, or mentions one not defined here.
+and the image flavour table only, so any layer of the package may ask it. tests/test_env_settings.py fails when
+another module of the package spells an MDS_* name itself, or mentions one not defined here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from megatron_ds.image_flavours import FLAVOURS
 
 T = TypeVar("T")
 
@@ -180,7 +182,7 @@ PATCH_MANIFEST: Setting[str | None] = Setting(
     doc="the image's record of the patches applied at build (set by the image recipes), printed by "
         "`entrypoint doctor`; unset, doctor looks at the default path")
 IMAGE_FLAVOUR: Setting[str] = Setting(
-    "MDS_IMAGE_FLAVOUR", "cpu|cuda|rocm|msamp", "", _text,
+    "MDS_IMAGE_FLAVOUR", "|".join(FLAVOURS), "", _text,
     doc="which image this is (set by the image recipes): the requirements `entrypoint doctor --strict` enforces "
         "by default; an unknown name counts as unset")
 

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> int:
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
         settings = validate(args, plan.ranks()[0].world_size)
+        if args.dry_run:  # what the flags resolved to (ALCF's values among them), before the estimate
+            print_notices(args)
         if os.environ.get("RANK") in (None, "0"):  # the launcher, a lone process, rank 0: before any rank starts
             for note in data_within_vocabulary(settings):
                 print(note, file=sys.stderr)

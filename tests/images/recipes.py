@@ -5,12 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from megatron_ds.image_flavours import FLAVOURS
+
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILES = {  # recipe -> its pin file
-    "Dockerfile": "cuda/versions",
-    "docker/rocm.Dockerfile": "rocm/versions",
-    "docker/msamp.Dockerfile": "cuda/versions",
-}
+DOCKERFILES = {flavour.recipe: flavour.pins for flavour in FLAVOURS.values()}  # recipe -> its pin file
 DEFINITIONS = {"apptainer/mds.def": None, "apptainer/lumi.def": "rocm/versions"}
 # build arguments that are not versions: our own metadata and switches
 NOT_PINS = {"MDS_VERSION", "MDS_SOURCE", "MDS_REVISION", "PATCH_TARGETS", "PIN_CHECK", "IMAGE", "MDS_IMAGE_FLAVOUR"}

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from megatron_ds.image_flavours import FLAVOURS
+
 from .recipes import (
     DEFINITIONS,
     DOCKERFILES,
@@ -24,7 +26,7 @@ from .recipes import (
     read_pins,
 )
 
-MAKE_TARGETS = ("image", "image-rocm", "image-msamp", "image-cpu", "sif", "sif-lumi", "sqsh")
+MAKE_TARGETS = (*(flavour.make for flavour in FLAVOURS.values()), "sif", "sif-lumi", "sqsh")
 
 
 @pytest.mark.parametrize("recipe", sorted(DOCKERFILES))
@@ -209,6 +211,26 @@ def test_makefile_targets_print_the_pinned_builds():
                            capture_output=True, text=True).stdout
     assert based.rindex("'BASE_IMAGE=example/base:1'") > based.index("'BASE_IMAGE=nvcr.io"), \
         "BASE_IMAGE=... must come after the pinned one (the last --build-arg wins)"
+
+
+@pytest.mark.parametrize("name", sorted(FLAVOURS))
+def test_each_flavours_make_target_builds_its_recipe_with_its_pins(name):
+    """megatron_ds/image_flavours.json is the one list of flavours: its make target builds its recipe with its pin
+    file's build arguments, and the image it makes says it is that flavour (doctor's default requirements)."""
+    flavour = FLAVOURS[name]
+    env = dict(os.environ, DOCKER="docker", PIP_CA="", BASE_IMAGE="")
+    out = subprocess.run(["make", "-n", flavour.make], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    build = next((line for line in out.stdout.splitlines() if f" -f {flavour.recipe} " in line), None)
+    assert build, f"make {flavour.make} does not build {flavour.recipe}:\n{out.stdout}"
+    for key, value in read_pins(flavour.pins).items():
+        assert f"--build-arg '{key}={value}'" in build, f"make {flavour.make}: {key} from {flavour.pins} not passed"
+    assert flavour.base_arg in dockerfile_args(flavour.recipe), f"{flavour.recipe}: no ARG {flavour.base_arg}"
+    passed = re.findall(r"--build-arg MDS_IMAGE_FLAVOUR=(\w+)", build)
+    env_default = re.findall(r"MDS_IMAGE_FLAVOUR=(\w+)", " ".join(
+        rest for instruction, rest in dockerfile_instructions(flavour.recipe) if instruction == "ENV"))
+    made = passed[-1] if passed else dockerfile_args(flavour.recipe).get("MDS_IMAGE_FLAVOUR") or env_default[0]
+    assert made == name, f"make {flavour.make} builds an image of flavour {made!r}, not {name!r}"
 
 
 # The source label once named a repository address nobody had made: the label says where the tree came from

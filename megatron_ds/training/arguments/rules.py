@@ -47,10 +47,13 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     _moe(args, dims)
     rules_fp8.msamp_layout(args, dims)
     _batch(args, dims.dp)
-    _schedule(args)
+    # a dry run estimates the memory of a layout: its schedule, data and tokenizer are checked where given
+    if not args.dry_run or (args.lr is not None and (args.train_iters or args.train_samples) is not None):
+        _schedule(args)
     _checkpoints(args)
-    _data_files(args)
-    _tokenizer_inputs(args)
+    if not args.dry_run or args.data_path:
+        _data_files(args)
+        _tokenizer_inputs(args)
     _torch_compile(args, dims)
     _inductor_options(args)
     _tp_comm_overlap(args, dims)
@@ -111,7 +114,7 @@ def _filled_values_given(args: argparse.Namespace) -> None:
         raise ConfigError("--micro-batch-size", "is required (flag, MICRO_BATCH, or the DeepSpeed config)")
     if args.micro_batch_size <= 0:
         raise ConfigError("--micro-batch-size", f"must be positive (got {args.micro_batch_size})")
-    if args.lr is None:
+    if args.lr is None and not args.dry_run:
         raise ConfigError("--lr", "is required (or an optimizer section with params.lr in --deepspeed_config)")
 
 
@@ -426,7 +429,7 @@ def _tokenizer_inputs(args: argparse.Namespace) -> None:
 def _environment(args: argparse.Namespace) -> None:
     """What this machine must have for the flags: the attention kernel, a GPU for fp16, tensorboard, wandb, FP8."""
     rules_fp8.fp8_environment(args)
-    if args.attention_backend == "flash2":  # asked explicitly: it must be able to run here
+    if args.attention_backend == "flash2" and not args.dry_run:  # asked explicitly: it must be able to run here
         from megatron_ds.model.attention import resolve_backend
         from megatron_ds.precision import precision_from
 
