@@ -117,9 +117,21 @@ sif-cpu: ## the same definition from the CPU image (IMAGE_CPU=mds:cpu) -> mds-cp
 	@bash scripts/setup-apptainer.sh
 	$(APPTAINER) build --build-arg IMAGE=$(IMAGE_CPU) $(SIF_CPU) apptainer/mds.def
 
-sif-lumi: ## Apptainer image on LUMI's ROCm PyTorch container (build on LUMI) -> mds-lumi.sif
+# the pins of rocm/versions that lumi.def declares in %arguments, in a file of their own (apptainer refuses
+# unused build arguments, reads no comments in a --build-arg-file, and splits a --build-arg at commas);
+# LUMI_BASE_SIF=... builds on another base
+LUMI_ARGS_FILE ?= .cache/sif-lumi.args
+def_arguments = $(shell sed -n '/^%arguments/,/^%[a-z]/s/^[[:space:]]*\([A-Z][A-Z0-9_]*\)=.*/\1/p' $(1))
+lumi_keys = $(filter-out $(if $(LUMI_BASE_SIF),LUMI_BASE_SIF),$(call def_arguments,apptainer/lumi.def))
+empty :=
+space := $(empty) $(empty)
+
+sif-lumi: ## Apptainer image on LUMI's ROCm PyTorch container (build on LUMI; LUMI_BASE_SIF=...) -> mds-lumi.sif
 	@bash scripts/setup-apptainer.sh
-	$(APPTAINER) build --build-arg-file rocm/versions $(SIF_LUMI) apptainer/lumi.def
+	@mkdir -p $(dir $(LUMI_ARGS_FILE))
+	grep -E '^($(subst $(space),|,$(strip $(lumi_keys))))=' rocm/versions > $(LUMI_ARGS_FILE)
+	$(if $(LUMI_BASE_SIF),echo 'LUMI_BASE_SIF=$(LUMI_BASE_SIF)' >> $(LUMI_ARGS_FILE))
+	$(APPTAINER) build --build-arg-file $(LUMI_ARGS_FILE)$(if $(PIP_CA), --bind $(PIP_CA):/run/secrets/pip_ca) $(SIF_LUMI) apptainer/lumi.def
 
 # squashfs for Slurm's pyxis/enroot (srun --container-image=./mds.sqsh)
 sqsh: ## squashfs of mds:latest for Slurm's pyxis/enroot -> mds.sqsh

@@ -105,16 +105,20 @@ def on_host(flags: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_training_inside_matches_outside_and_resumes_outside(sif, demo_corpus, tmp_path):
-    """5 of 10 iterations in the SIF (data bound read-only, checkpoint and metrics in a bound folder) log the
-    losses of the same run on the host, bitwise; the host resumes the container's checkpoint to its end."""
+    """5 of 10 iterations in the SIF (data bound read-only, checkpoint and metrics in a bound folder), by
+    `apptainer exec` and by `singularity exec`, log the losses of the same run on the host, bitwise; the host
+    resumes the container's checkpoint to its end."""
     corpus_dir = str(Path(demo_corpus.prefix).parent)
-    out = tmp_path / "out"
-    out.mkdir()
-    flags = train_flags(*inside(demo_corpus), INSIDE_OUT)
-    result = apptainer("exec", "-B", f"{corpus_dir}:{INSIDE_DATA}:ro", "-B", f"{out}:{INSIDE_OUT}", sif.path,
-                       "entrypoint", *flags, "--exit-interval", "5", "--save", f"{INSIDE_OUT}/ckpt", cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert (out / "ckpt" / "latest").read_text().strip() == "iter_0000005"
+    flags = [*train_flags(*inside(demo_corpus), INSIDE_OUT), "--exit-interval", "5", "--save", f"{INSIDE_OUT}/ckpt"]
+    for name in ("apptainer", "singularity"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        result = apptainer("exec", "-B", f"{corpus_dir}:{INSIDE_DATA}:ro", "-B", f"{out}:{INSIDE_OUT}", sif.path,
+                           "entrypoint", *flags, name=name, cwd=tmp_path)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        assert (out / "ckpt" / "latest").read_text().strip() == "iter_0000005"
+    assert losses(tmp_path / "out-singularity") == losses(tmp_path / "out-apptainer")
+    out = tmp_path / "out-apptainer"
 
     host = [demo_corpus.prefix, demo_corpus.vocab_file, demo_corpus.merge_file]
     reference = tmp_path / "reference"
