@@ -72,6 +72,9 @@ comma       := ,
 # apptainer (or singularity) on PATH, else the one scripts/setup-apptainer.sh sets up (make sif* runs it)
 APPTAINER   ?= scripts/apptainer
 SIF_CPU     ?= mds-cpu.sif
+# more `apptainer build` flags for the SIF targets, e.g. behind a TLS-intercepting proxy (sif-lumi's %post runs
+# pip): --bind CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt
+SIF_BUILD_FLAGS ?=
 # the images' source label (org.opencontainers.image.source): where this tree came from, i.e. the URL of the
 # git remote `origin` with any user:password@ taken out, or `local` without one (MDS_SOURCE=... overrides)
 MDS_SOURCE  ?= $(or $(shell git remote get-url origin 2>/dev/null | sed -E 's|^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@|\1|'),local)
@@ -110,12 +113,12 @@ apptainer-setup: ## an Apptainer for the SIF targets: the host's, else a Debian 
 sif: ## Apptainer image from the Docker image in the local daemon (IMAGE=mds:latest) -> mds.sif
 	@$(call need_image,$(IMAGE),image,IMAGE)
 	@bash scripts/setup-apptainer.sh
-	$(APPTAINER) build --build-arg IMAGE=$(IMAGE) $(SIF) apptainer/mds.def
+	$(APPTAINER) build$(if $(SIF_BUILD_FLAGS), $(SIF_BUILD_FLAGS)) --build-arg IMAGE=$(IMAGE) $(SIF) apptainer/mds.def
 
 sif-cpu: ## the same definition from the CPU image (IMAGE_CPU=mds:cpu) -> mds-cpu.sif
 	@$(call need_image,$(IMAGE_CPU),image-cpu,IMAGE_CPU)
 	@bash scripts/setup-apptainer.sh
-	$(APPTAINER) build --build-arg IMAGE=$(IMAGE_CPU) $(SIF_CPU) apptainer/mds.def
+	$(APPTAINER) build$(if $(SIF_BUILD_FLAGS), $(SIF_BUILD_FLAGS)) --build-arg IMAGE=$(IMAGE_CPU) $(SIF_CPU) apptainer/mds.def
 
 # the pins of rocm/versions that lumi.def declares in %arguments, in a file of their own (apptainer refuses
 # unused build arguments, reads no comments in a --build-arg-file, and splits a --build-arg at commas);
@@ -131,7 +134,7 @@ sif-lumi: ## Apptainer image on LUMI's ROCm PyTorch container (build on LUMI; LU
 	@mkdir -p $(dir $(LUMI_ARGS_FILE))
 	grep -E '^($(subst $(space),|,$(strip $(lumi_keys))))=' rocm/versions > $(LUMI_ARGS_FILE)
 	$(if $(LUMI_BASE_SIF),echo 'LUMI_BASE_SIF=$(LUMI_BASE_SIF)' >> $(LUMI_ARGS_FILE))
-	$(APPTAINER) build --build-arg-file $(LUMI_ARGS_FILE)$(if $(PIP_CA), --bind $(PIP_CA):/run/secrets/pip_ca) $(SIF_LUMI) apptainer/lumi.def
+	$(APPTAINER) build$(if $(SIF_BUILD_FLAGS), $(SIF_BUILD_FLAGS)) --build-arg-file $(LUMI_ARGS_FILE) $(SIF_LUMI) apptainer/lumi.def
 
 # squashfs for Slurm's pyxis/enroot (srun --container-image=./mds.sqsh)
 sqsh: ## squashfs of mds:latest for Slurm's pyxis/enroot -> mds.sqsh
