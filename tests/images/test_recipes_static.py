@@ -26,7 +26,7 @@ from .recipes import (
     read_pins,
 )
 
-MAKE_TARGETS = (*(flavour.make for flavour in FLAVOURS.values()), "sif", "sif-lumi", "sqsh")
+MAKE_TARGETS = (*(flavour.make for flavour in FLAVOURS.values()), "sif", "sif-cpu", "sif-lumi", "sqsh")
 
 
 @pytest.mark.parametrize("recipe", sorted(DOCKERFILES))
@@ -179,7 +179,11 @@ def test_apptainer_definition(definition, tmp_path):
     assert 'exec entrypoint "$@"' in runscript, f"{definition}: %runscript must exec entrypoint \"$@\""
     assert sections["runscript"].strip().splitlines()[-1].strip() == 'exec entrypoint "$@"'
     assert any("self-check.sh" in line for line in recipe.install), f"{definition}: %test must run the self check"
-    assert any(label.startswith("io.mds.flavour ") for label in recipe.labels)
+    if bootstrap == "docker-daemon":  # the image's labels (its flavour) carry over: tests/images/test_sif.py
+        assert not any(label.startswith("io.mds.flavour ") for label in recipe.labels), \
+            f"{definition}: the flavour is the Docker image's; a label here would be ignored"
+    else:
+        assert any(label.startswith("io.mds.flavour ") for label in recipe.labels)
     stack_labels = [label.split()[0] for label in recipe.labels if label.startswith("io.mds.stack.")]
     assert all(key.endswith(".pinned") for key in stack_labels), f"{definition}: stack labels must say they are pins"
     for entry in recipe.files:
@@ -205,7 +209,11 @@ def test_makefile_targets_print_the_pinned_builds():
     assert "-f docker/rocm.Dockerfile" in text and "--build-arg 'ROCM_VERSION=" in text
     assert "-f docker/msamp.Dockerfile" in text
     assert "apptainer build --build-arg IMAGE=mds:latest mds.sif apptainer/mds.def" in text
-    assert "apptainer build --build-arg-file rocm/versions mds-lumi.sif apptainer/lumi.def" in text
+    assert "apptainer build --build-arg IMAGE=mds:cpu mds-cpu.sif apptainer/mds.def" in text
+    # lumi.def's arguments, and only those, from rocm/versions (apptainer refuses unused ones)
+    keys = "|".join(definition_arguments("apptainer/lumi.def"))
+    assert f"grep -E '^({keys})=' rocm/versions > .cache/sif-lumi.args" in text
+    assert "apptainer build --build-arg-file .cache/sif-lumi.args mds-lumi.sif apptainer/lumi.def" in text
     assert "enroot import -o mds.sqsh dockerd://mds:latest" in text
     based = subprocess.run(["make", "-n", "image", "BASE_IMAGE=example/base:1"], cwd=ROOT, env=env,
                            capture_output=True, text=True).stdout

@@ -1,6 +1,7 @@
 """Flags, presets, ALCF env and every validation rule: fast, in-process, no process group."""
 
 import json
+import os
 
 import pytest
 
@@ -77,6 +78,22 @@ def test_global_batch_defaults_to_micro_times_dp(files):
 ])
 def test_each_rule_has_its_message(files, extra, world, flag, text):
     check(files, extra, world, flag, text)
+
+
+@pytest.mark.parametrize("variable", ["APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"])
+def test_missing_data_inside_a_container_says_to_bind_it(files, monkeypatch, variable):
+    """In a SIF the usual cause is a host folder not bound in: the path is named as the container sees it."""
+    missing = ["--data-path", "/data/corpus/text_document"]
+    monkeypatch.delenv("APPTAINER_CONTAINER", raising=False)
+    monkeypatch.delenv("SINGULARITY_CONTAINER", raising=False)
+    if not os.path.isdir("/.singularity.d"):  # outside any container: no hint
+        with pytest.raises(ConfigError) as err:
+            validate(parse_args(base(files, *missing), env={}), 1)
+        assert "container" not in str(err.value)
+    monkeypatch.setenv(variable, "/images/mds.sif")
+    check(files, missing, 1, "--data-path", "file not found: /data/corpus/text_document.bin (as seen inside the "
+          "container: /data/corpus is not visible in it; bind the host folder that holds the data with "
+          "`-B HOST_DIR:/data/corpus`)")
 
 
 def test_required_flags_name_themselves(files):

@@ -406,13 +406,28 @@ def _data_files(args: argparse.Namespace) -> None:
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
-                raise ConfigError("--data-path", f"file not found: {prefix + ext}")
+                raise ConfigError("--data-path", f"file not found: {prefix + ext}{_unbound_hint(prefix + ext)}")
     try:
         parts = [float(x) for x in args.split.replace("/", ",").split(",")]
     except ValueError:
         raise ConfigError("--split", f"expected comma-separated weights like 969,30,1 (got {args.split!r})") from None
     if len(parts) > 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
         raise ConfigError("--split", f"expected up to 3 non-negative weights with a positive sum (got {args.split!r})")
+
+
+def inside_container() -> bool:
+    """Apptainer/Singularity set these in every container they start (and keep /.singularity.d in the image)."""
+    return any(os.environ.get(name) for name in ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")) \
+        or os.path.isdir("/.singularity.d")
+
+
+def _unbound_hint(path: str) -> str:
+    """Inside a container the usual cause of a missing file is a host folder that was not bound in."""
+    if not inside_container():
+        return ""
+    folder = os.path.dirname(os.path.abspath(path))
+    return (f" (as seen inside the container: {folder} is not visible in it; bind the host folder that holds "
+            f"the data with `-B HOST_DIR:{folder}`)")
 
 
 def _tokenizer_inputs(args: argparse.Namespace) -> None:
