@@ -228,6 +228,8 @@ def megatron_lm_command(args, *, steps: int, data: str, gpus: int, transformer_i
     cmd = _common_megatron(args, steps, data)
     cmd += ["--transformer-impl", transformer_impl, "--log-throughput",
             "--distributed-backend", "nccl"]
+    if transformer_impl == "transformer_engine" and args.tensor_model_parallel_size > 1 and args.sequence_parallel:
+        cmd.append("--tp-comm-overlap")  # TE's userbuffers overlap of the TP collectives with the GEMMs, as used
     if args.fp8_format:
         cmd += ["--fp8-format", args.fp8_format, "--fp8-recipe", "delayed", "--fp8-margin", str(args.fp8_margin),
                 "--fp8-amax-history-len", str(args.fp8_amax_history_len),
