@@ -45,7 +45,7 @@ def peak_flops(device_name: str) -> float | None:
 
 
 def git_commit() -> str:
-    """HEAD (+dirty) of the repo; MDS_GIT_COMMIT wins (the device machine gets the tree without .git)."""
+    """HEAD (+dirty) of the repo; MDS_GIT_COMMIT wins (for a copy of the tree without .git)."""
     if os.environ.get("MDS_GIT_COMMIT"):
         return os.environ["MDS_GIT_COMMIT"]
     try:

@@ -22,8 +22,8 @@ Usage, from the repo root:  python bench/compile_tp_probe.py          # CUDA, bf
                             python bench/compile_tp_probe.py --cpu    # CPU, fp32, a smaller model (checks the script)
 Options: --cases fake,gloo  --kinds inplace,functional  --layers N --hidden N --seq N --dropout P --timeout S
          --tp-comm-overlap reorder|pipeline (the compiled layers with that schedule: the fake group shows reorder's
-         gradients on one GPU; pipeline needs real ranks, and two gloo ranks sharing a GPU segfault on the lent
-         machines, so it waits for two GPUs).
+         gradients on one GPU; pipeline needs real ranks, and two gloo ranks sharing a GPU segfault (H200,
+         torch 2.11), so it waits for two GPUs).
 Prints a table; writes $OUT/compile_tp_probe.json (or ./compile_tp_probe.json without $OUT).
 """
 

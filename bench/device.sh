@@ -278,6 +278,14 @@ stage_node_restart() {  # SIGKILL of rank 1 at step 7 under --max-restarts 1, ch
     --timeout 250 -- $flags
 }
 
+stage_async_save() {  # the training stall per checkpoint save, synchronous against --async-save: GPT-1.3B, GPT-2.7B
+  # on one GPU (bf16, ZeRO-1), checkpoints (19 and 38 GB) on /dev/shm (the fastest disk: the smallest sync stall)
+  ds_patches
+  t 420 $PYTHON bench/async_save.py --name "async_save_gpt1_3b_gpt2_7b_$TAG" --presets GPT1_3B GPT2_7B --timeout 200 \
+    --save-dir /dev/shm/mds_async_save
+  keep "async_save_gpt1_3b_gpt2_7b_$TAG"
+}
+
 stage_two_nodes() {  # two node launchers on one host as a 2-node Slurm step against one launcher: GPT-1.3B TP=2
   ds_patches
   t 400 $PYTHON bench/node.py two-nodes --name "two_nodes_gpt1_3b_tp2_$TAG" -- $GPT13 --micro-batch-size 8 \

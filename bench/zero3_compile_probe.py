@@ -1,4 +1,4 @@
-"""ZeRO-3 with compiled layers trained off the eager curve on CUDA (session 6: first-step gradient norm 2.53 vs
+"""ZeRO-3 with compiled layers trained off the eager curve on CUDA (first-step gradient norm 2.53 vs
 4.11 on one H200): which gradients go missing, and why? One forward/backward of the same batch at ZeRO-3 for each
 variant (each in its own process), and every parameter's gradient norm side by side (DeepSpeed's
 safe_get_full_grad, read before any step); the first variant is the baseline.
@@ -7,7 +7,7 @@ A variant is [cpu_]BACKEND[+MODIFIER...] (cpu_: gloo on the CPU; hide any GPU wi
 BACKEND eager (no compile), inductor, aot_eager (AOTAutograd without inductor) or dynamo_eager (dynamo alone);
 modifiers: +dslinear (ZeRO-3's own linear autograd Function, DeepSpeed's default memory_efficient_linear, which mds
 turns off when compiling), +persistent (no parameter released between forward and backward), +eager_gemm (every
-linear's GEMM outside the compiled graphs). Session 7 found it with
+linear's GEMM outside the compiled graphs). With
 these: dynamo alone loses the gradients too, persistent parameters do not help, GEMMs outside the graph do; the
 cause is dynamo tracing LinearFunctionForZeroStage3 (torch 2.11, CUDA; the CPU with torch 2.13 is right).
 

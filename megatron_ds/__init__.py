@@ -12,6 +12,7 @@ holds the order and checks every import, lazy ones included):
     runtime | data            ranks, sites, launching (no models) | indexed datasets, tokenizers
     torch_support             what the installed torch can do
     env_settings | compile_costs   every MDS_* variable, read here only | what compiling cost at start-up
+    image_flavours            the image flavours, one table (image_flavours.json)
 """
 
 __version__ = "0.1.0"

@@ -8,8 +8,8 @@ import. Where the variable is set for child processes (the supervisor, the launc
 
 Only MDS_* variables live here: those of other tools (RANK, SLURM_*, NCCL_*, TORCHINDUCTOR_*, ...) are read
 where their concern lives (runtime/discovery.py, runtime/profiles.py). This module imports the standard library
-only, so any layer of the package may ask it. tests/test_env_settings.py fails when another module of the package
-spells an MDS_* name itself, or mentions one not defined here.
+and the image flavour table only, so any layer of the package may ask it. tests/test_env_settings.py fails when
+another module of the package spells an MDS_* name itself, or mentions one not defined here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from megatron_ds.image_flavours import FLAVOURS
 
 T = TypeVar("T")
 
@@ -172,12 +174,15 @@ WATCHDOG_DIR: Setting[str | None] = Setting(
 TEST_SLOW_RANK: Setting[tuple[int, float] | None] = Setting(
     "MDS_TEST_SLOW_RANK", "RANK:SECONDS", None, _rank_seconds,
     doc="test hook: that rank sleeps SECONDS per step in its data path, to make a straggler")
+TEST_SLOW_SAVE: Setting[float] = Setting(
+    "MDS_TEST_SLOW_SAVE", "seconds", 0.0, _seconds,
+    doc="test hook: a save sleeps SECONDS after writing each checkpoint file, so a test can kill it mid-write")
 PATCH_MANIFEST: Setting[str | None] = Setting(
     "MDS_PATCH_MANIFEST", "file", None, _text,
     doc="the image's record of the patches applied at build (set by the image recipes), printed by "
         "`entrypoint doctor`; unset, doctor looks at the default path")
 IMAGE_FLAVOUR: Setting[str] = Setting(
-    "MDS_IMAGE_FLAVOUR", "cpu|cuda|rocm|msamp", "", _text,
+    "MDS_IMAGE_FLAVOUR", "|".join(FLAVOURS), "", _text,
     doc="which image this is (set by the image recipes): the requirements `entrypoint doctor --strict` enforces "
         "by default; an unknown name counts as unset")
 
@@ -210,7 +215,7 @@ FUSED_CROSS_ENTROPY: Setting[bool | None] = Setting(
 
 ALL: tuple[Setting, ...] = (PROFILE, PROFILE_PATH, CPU_BIND, RANK_LD_PRELOAD, SUPERVISED, STARTED_AT, SPAWNED_AT,
                             WATCHDOG_DIR,
-                            TEST_SLOW_RANK, PATCH_MANIFEST, IMAGE_FLAVOUR, SIGNAL_GRACE, PEAK_TFLOPS,
+                            TEST_SLOW_RANK, TEST_SLOW_SAVE, PATCH_MANIFEST, IMAGE_FLAVOUR, SIGNAL_GRACE, PEAK_TFLOPS,
                             INDUCTOR_OPTIONS, TP_COLLECTIVES, ALLOW_TP_COMPILE, FUSED_CROSS_ENTROPY)
 
 

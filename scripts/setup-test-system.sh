@@ -4,6 +4,8 @@
 # Without root or apt it prints what is missing and exits 0: the tests that need a missing piece then fail,
 # naming it (none is skipped). Services are not started here: the test fixtures start munged, slurmctld and
 # slurmd (tests/runtime) and dockerd (tests/images) when they are not running, and stop what they started.
+# Another apt or dpkg at work (unattended upgrades, a second set-up) holds the package manager's locks: apt-get
+# waits for them, up to MDS_APT_LOCK_TIMEOUT seconds (default 900), instead of failing at once.
 set -euo pipefail
 
 # one group per line: Debian packages | commands that prove them present | why the tests need them
@@ -11,6 +13,9 @@ GROUPS_TABLE='slurm-wlm munge|munged mungekey slurmctld slurmd srun sbatch sinfo
 openmpi-bin mpich|mpirun.openmpi mpiexec.hydra|tests/runtime launch ranks with Open MPI mpirun and MPICH mpiexec.hydra
 shellcheck|shellcheck|tests lint the generated sbatch scripts and the image step scripts
 docker.io debootstrap git|dockerd docker debootstrap git|tests/images build and run the image recipes on a local Debian CPU base (Docker engine, debootstrap for its root file system, git for the revision label)'
+# tests/test_setup_system.py hands in a table of its own, to make the script install something
+GROUPS_TABLE="${MDS_SYSTEM_GROUPS_TABLE:-${GROUPS_TABLE}}"
+LOCK_TIMEOUT="${MDS_APT_LOCK_TIMEOUT:-900}"
 
 # daemons live in sbin, which a non-root PATH may lack
 have() { PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin" command -v "$1" >/dev/null 2>&1; }
@@ -42,7 +47,8 @@ cannot() {
 have apt-get || cannot "no apt-get on this machine (install the equivalents with its package manager)"
 
 export DEBIAN_FRONTEND=noninteractive
+apt_get() { apt-get -o "DPkg::Lock::Timeout=${LOCK_TIMEOUT}" "$@"; }
 echo "+ apt-get update"
-apt-get update -q || cannot "apt-get update failed (above)"
+apt_get update -q || cannot "apt-get update failed (above)"
 echo "+ apt-get install -y --no-install-recommends ${missing_packages[*]}"
-apt-get install -q -y --no-install-recommends "${missing_packages[@]}" || cannot "apt-get install failed (above)"
+apt_get install -q -y --no-install-recommends "${missing_packages[@]}" || cannot "apt-get install failed (above)"

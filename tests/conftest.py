@@ -23,6 +23,7 @@ def pytest_configure(config):
                                        "-m 'not gpu and not upstream_src and not docker' leaves them out")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the marks to name each item's group
 def pytest_collection_modifyitems(config, items):
     # `make test` runs two pytest-xdist workers (--dist loadgroup). Tests that share something costly stay on one
     # worker: a service (one Slurm cluster and one dockerd per run, not per worker) or a module-scoped fixture (a

@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 MAX_README_LINES = 300
-# places outside the repository that once leaked into it: the sessions' shared notes (spelled in two pieces,
-# so that this file does not match itself)
-OUTSIDE = ("../" + "shared", "/work/" + "shared")
+# places outside the repository that once leaked into it: shared notes beside the checkout (spelled in two
+# pieces, so that this file does not match itself)
+OUTSIDE = ("../" + "shared", "/wor" + "k/shared")
 # where the package and its command read their environment; the README lists every MDS_* found there
 CODE = ("megatron_ds", "entrypoint.py", "Dockerfile", "docker", "apptainer", "Makefile", "scripts")
 VARIABLE = re.compile(r"\bMDS_[A-Z0-9_]*[A-Z0-9]\b")
@@ -61,6 +61,38 @@ def test_nothing_tracked_points_outside_the_repository():
         leaks += [f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}"
                   for number, line in enumerate(text.splitlines(), 1) if any(o in line for o in OUTSIDE)]
     assert not leaks, "files point outside the repository (only the repository travels):\n" + "\n".join(leaks)
+
+
+# How the tree was made is git's to tell, not the tree's: work-session numbers, the GPUs and tools it was made
+# with, the paths of the machine it was made on. Each pattern is spelled so that it does not match itself.
+HISTORY = re.compile(r"\bsessions?[ -]\d+|\blent\b|device\smachine|fetch\stool|session\sdiary|/wor[k]/|/roo[t]/out\b",
+                     re.I)
+# bench/results holds the records as they were written (their commands as run); their names say what they hold
+RECORDS = "bench/results/"
+DATED_RECORD = re.compile(r"_s\d{1,2}[a-z]?(_\d+)?\.json$")
+
+
+def test_nothing_tracked_speaks_of_how_it_was_made():
+    found = []
+    for path in tracked_files():
+        name = path.relative_to(ROOT).as_posix()
+        if name.startswith(RECORDS):
+            found += [f"{name}: named for when it ran"] if DATED_RECORD.search(name) else []
+            continue
+        text = path.read_text(errors="ignore")
+        found += [f"{name}:{number}: {line.strip()[:100]}" for number, line in enumerate(text.splitlines(), 1)
+                  if HISTORY.search(line)]
+    assert not found, "say what is true now (history belongs in git):\n" + "\n".join(found)
+
+
+def test_the_history_patterns_find_what_they_are_for():
+    # spelled in pieces, so that this file does not match itself
+    for text in ("measured in sess" "ion 14", "the sess" "ion-13 profile", "no second GPU is l" "ent", "the device "
+                 "machine", "the fetch " "tool made", "default /wor" "k/.mirror", "/roo" "t/out/ab"):
+        assert HISTORY.search(text), text
+    for text in ('scope="session"', "its own session (process group)", "equivalent", "/root/.cache/mds"):
+        assert not HISTORY.search(text), text
+    assert DATED_RECORD.search("bench/results/dp2_s26.json") and not DATED_RECORD.search("gpt1_3b_s2048_mbs16.json")
 
 
 def test_readme_is_short_and_starts_with_the_two_commands():

@@ -27,6 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: list[tuple[str, ...]] = [
+    ("megatron_ds.image_flavours",),  # the image flavour table (standard library only)
     ("megatron_ds.env_settings", "megatron_ds.compile_costs"),  # the MDS_* variables; compile costs (torch only)
     ("megatron_ds", "megatron_ds.torch_support"),
     ("megatron_ds.runtime", "megatron_ds.data"),

@@ -75,7 +75,54 @@ def test_lint_is_configured_and_run_by_make():
 def test_setup_scripts_pass_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.fail("shellcheck not found: install it (`make test` does, as root: apt-get install shellcheck)")
-    for script in (SETUP_SCRIPT, ".ci/run"):
+    scripts = (SETUP_SCRIPT, ".ci/run", "scripts/setup-slurm24-root.sh", "scripts/slurm24-enter.sh")
+    for script in scripts:
         assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0, script
-    check = subprocess.run(["shellcheck", SETUP_SCRIPT, ".ci/run"], cwd=ROOT, capture_output=True, text=True)
+    check = subprocess.run(["shellcheck", *scripts], cwd=ROOT, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
+
+
+@pytest.mark.slow
+def test_system_setup_waits_for_the_package_managers_lock():
+    """Another apt at work holds dpkg's lock (an fcntl lock, as apt and dpkg take it: flock(1) takes another kind,
+    which apt never sees): the set-up waits for it and then installs, instead of failing at once. The table handed
+    in names a command that no package provides beside a package that is installed, so apt-get runs for real and
+    installs nothing new."""
+    import fcntl
+    import os
+    import sys
+    import time
+
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.fail("the set-up's lock test needs root and apt-get (as `make test` does on CI)")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, time\n"
+        "fd = os.open('/var/lib/dpkg/lock-frontend', os.O_RDWR | os.O_CREAT, 0o640)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, MDS_APT_LOCK_TIMEOUT="120",
+               MDS_SYSTEM_GROUPS_TABLE="shellcheck|mds-command-no-package-has|the lock test")
+    setup = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        probe = os.open("/var/lib/dpkg/lock-frontend", os.O_RDWR)
+        with pytest.raises(OSError):  # the lock is really taken, as apt sees it
+            fcntl.lockf(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(probe)
+        setup = subprocess.Popen(["bash", SETUP_SCRIPT], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        lines = []
+        while not any("+ apt-get install" in line for line in lines):
+            line = setup.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        time.sleep(10)  # the install itself (shellcheck is there already) takes a second or two
+        assert setup.poll() is None, "".join(lines) + setup.stdout.read()  # still waiting for the lock
+    finally:
+        holder.kill()
+        holder.wait()
+    output = "".join(lines) + setup.stdout.read()
+    assert setup.wait(timeout=120) == 0 and "WARNING" not in output, output
+    assert "Could not get lock /var/lib/dpkg/lock-frontend" in output, output
+    assert "shellcheck is already the newest version" in output, output

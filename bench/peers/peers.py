@@ -228,6 +228,8 @@ def megatron_lm_command(args, *, steps: int, data: str, gpus: int, transformer_i
     cmd = _common_megatron(args, steps, data)
     cmd += ["--transformer-impl", transformer_impl, "--log-throughput",
             "--distributed-backend", "nccl"]
+    if transformer_impl == "transformer_engine" and args.tensor_model_parallel_size > 1 and args.sequence_parallel:
+        cmd.append("--tp-comm-overlap")  # TE's userbuffers overlap of the TP collectives with the GEMMs, as used
     if args.fp8_format:
         cmd += ["--fp8-format", args.fp8_format, "--fp8-recipe", "delayed", "--fp8-margin", str(args.fp8_margin),
                 "--fp8-amax-history-len", str(args.fp8_amax_history_len),
@@ -615,10 +617,13 @@ def archive_command(git_dir: str, ref: str, spec: dict, out: Path) -> list[str]:
 
 
 def fetch(argv: list[str]) -> int:
-    """Here: pip download the pinned wheels (cp312 manylinux) and git-archive the pinned sources from the mirrors
-    that the session's fetch tool made (MDS_PEERS_MIRRORS, default /work/.mirror/OWNER+NAME/repo)."""
+    """Here: pip download the pinned wheels (cp312 manylinux) and git-archive the pinned sources from local git
+    mirrors of the peers' repositories, one bare clone each at MIRRORS/OWNER+NAME/repo (--mirrors, or
+    MDS_PEERS_MIRRORS; there is no default)."""
     p = argparse.ArgumentParser(prog="peers.py fetch")
-    p.add_argument("--mirrors", default=os.environ.get("MDS_PEERS_MIRRORS", "/work/.mirror"))
+    mirrors = os.environ.get("MDS_PEERS_MIRRORS") or None
+    p.add_argument("--mirrors", default=mirrors, required=mirrors is None,
+                   help="the folder of the mirrors (default: $MDS_PEERS_MIRRORS)")
     a = p.parse_args(argv)
     (CARRY / "wheels").mkdir(parents=True, exist_ok=True)
     _exclude_carry()

@@ -3,11 +3,13 @@
 set -eu
 
 step() { printf '\n== mds step: %s\n' "$*"; }
-# notes (what a step skipped and why) are also kept in the image, so they survive Docker's layer cache
+# notes (what a step skipped and why) are also kept in the image, so they survive Docker's layer cache;
+# where the image is read-only (a SIF's %test) they are only printed
 MDS_BUILD_NOTES=${MDS_BUILD_NOTES:-/opt/mds/build-notes.txt}
+writable_dir() { mkdir -p "$1" 2>/dev/null && [ -w "$1" ]; }
 note() {
     printf 'mds: %s\n' "$*"
-    if mkdir -p "$(dirname "$MDS_BUILD_NOTES")" 2>/dev/null; then printf '%s\n' "$*" >> "$MDS_BUILD_NOTES"; fi
+    if writable_dir "$(dirname "$MDS_BUILD_NOTES")"; then printf '%s\n' "$*" >> "$MDS_BUILD_NOTES"; fi
 }
 die() { printf 'mds: ERROR: %s\n' "$*" >&2; exit 1; }
 

@@ -18,11 +18,17 @@ if [ "$torch_kind" = cpu ] && [ "$flavour" != cpu ]; then
 fi
 commands=$(entrypoint --help)
 if echo "$commands" | grep -q '^  doctor '; then
-    # the report is kept in the image (/opt/mds/self-check.txt) next to the build notes
-    report=/opt/mds/self-check.txt
-    mkdir -p /opt/mds
+    # this run's report is the result; where the image is writable (its build) it is also kept as
+    # /opt/mds/self-check.txt next to the build notes; a read-only image (a SIF's %test) keeps its build's
+    report=$(mktemp "${TMPDIR:-/tmp}/mds-self-check.XXXXXX") || die "self check: cannot write a temporary file in ${TMPDIR:-/tmp}"
     if entrypoint doctor --strict --flavour "$flavour" > "$report" 2>&1; then passed=yes; else passed=no; fi
     cat "$report"
+    if writable_dir /opt/mds; then
+        cp "$report" /opt/mds/self-check.txt
+    else
+        echo "mds: /opt/mds is read-only (a SIF): this report is not kept; the image keeps its build's"
+    fi
+    rm -f "$report"
     [ "$passed" = yes ] || die "self check: entrypoint doctor --strict --flavour $flavour failed (see FAILED above)"
 else
     note "entrypoint doctor is not available in this source tree: checking imports only"

@@ -15,6 +15,7 @@ a half-written one. Pure filesystem code: no torch, no DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -73,11 +74,16 @@ def fsync_tree(root: str) -> None:
 def write_text_atomic(path: str, text: str) -> None:
     """Replace ``path`` with ``text`` so that a reader sees the old or the new content, never a mix."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -85,8 +91,8 @@ def read_latest(save_dir: str) -> str | None:
     """The tag ``latest`` names, or None when there is no ``latest`` file (falls back to Megatron's tracker)."""
     path = os.path.join(save_dir, LATEST)
     if os.path.isfile(path):
-        with open(path) as f:
-            tag = f.read().strip()
+        with open(path, "rb") as f:
+            tag = f.read(4096).decode("utf-8", "replace").strip()
         return tag or None
     tracker = os.path.join(save_dir, MEGATRON_TRACKER)
     if os.path.isfile(tracker):
@@ -104,19 +110,26 @@ def publish(save_dir: str, tmp_tag: str, tag: str) -> None:
     exists (a run resumed from an earlier checkpoint and reached the same iteration again), the
     old one is moved aside first and deleted only after ``latest`` names the new one.
     """
-    final = os.path.join(save_dir, tag)
-    trash = None
-    if os.path.exists(final):
-        trash = os.path.join(save_dir, TRASH_PREFIX + tag)
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)
-    os.rename(os.path.join(save_dir, tmp_tag), final)
-    fsync_dir(save_dir)
-    write_text_atomic(os.path.join(save_dir, LATEST), tag)
+    final, trash = os.path.join(save_dir, tag), os.path.join(save_dir, TRASH_PREFIX + tag)
+    existed = os.path.exists(final)
+    try:
+        if existed:
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(final, trash)
+        os.rename(os.path.join(save_dir, tmp_tag), final)
+        fsync_dir(save_dir)
+        write_text_atomic(os.path.join(save_dir, LATEST), tag)
+    except BaseException:  # e.g. no space left for `latest`: undo, so that the old checkpoint stays whole and named
+        if existed and os.path.isdir(trash):
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(trash, final)
+        elif not existed:
+            shutil.rmtree(final, ignore_errors=True)
+        raise
     iteration = iteration_of(tag)
     if iteration is not None:
         write_text_atomic(os.path.join(save_dir, MEGATRON_TRACKER), str(iteration))
-    if trash is not None:
+    if existed:
         shutil.rmtree(trash, ignore_errors=True)
 
 

@@ -58,7 +58,7 @@ def first_call_seconds() -> float | None:
 
 # Dropout through ATen's kernel instead of inductor's in-kernel Philox: inductor draws one random number per element
 # inside its fused residual/LayerNorm kernels, ATen's dropout kernel four per draw. On the default-flags GPT-1.3B step
-# (one H200) ATen's is 0.9% faster (bench/RESULTS.md, session 9), and the compiled layers then draw exactly the
+# (one H200) ATen's is 0.9% faster (bench/RESULTS.md), and the compiled layers then draw exactly the
 # masks of the eager layers.
 LAYER_OPTIONS = {"fallback_random": True}
 

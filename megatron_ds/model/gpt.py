@@ -164,7 +164,7 @@ class SelfAttention(nn.Module):
         self.local_kv_heads = config.num_key_value_heads // tp
         self.rope_base = config.rotary_base if config.position_embedding_type == "rope" else None
         self.rotary_dim = config.rotary_dim
-        self.recompute_core = False  # set by assign_recompute (selective granularity)
+        self.recompute_core = False  # set by its TransformerLayer (selective recompute)
         common = dict(group=group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, overlap=config.tp_comm_overlap)
         # q, k and v from three GEMMs on the fused weight's rows, as SwiGLU's gate and up (see ColumnParallelLinear)
@@ -300,14 +300,15 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). [s, b, h] -> [s, b, h].
 
     ``layer_number`` counts from 1 (Megatron) and seeds this layer's weights; ``tp_group`` splits
-    its heads and ffn (None: TP=1). ``recompute`` (set by ``assign_recompute``): "full" recomputes
+    its heads and ffn (None: TP=1). ``recompute``, from the builder's ``recompute_plan``: "full" recomputes
     the block in backward, "selective" only its core attention (non-reentrant checkpoints); with
     ``torch_compile`` its norms, GeLU, dropout and residual adds run as fused kernels. The config's options
     are applied as the layer is built: ``tp_comm_overlap`` goes to its parallel linears, and with ``halves`` or
     ``torch_compile`` chooses the forward it runs (``body``); nothing is set on the layer afterwards.
     """
 
-    def __init__(self, config: GPTConfig, layer_number: int, tp_group=None, sp_group=None, moe_mlp=None):
+    def __init__(self, config: GPTConfig, layer_number: int, tp_group=None, sp_group=None, moe_mlp=None,
+                 recompute: str | None = None):
         super().__init__()
         self.group = group = _checked(config, tp_group)
         self.layer_number = layer_number
@@ -318,7 +319,8 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(config, layer_number, group, sp_group)
         self.post_attention_norm = Norm(config, group)
         self.mlp = mlp_for_layer(config, layer_number, group, moe_mlp)
-        self.recompute = recompute_mode(config, layer_number - 1)
+        self.recompute = recompute
+        self.attention.recompute_core = recompute == "selective"
         self.body = self._body(config)
 
     def _body(self, config: GPTConfig):
@@ -382,15 +384,6 @@ class TransformerLayer(nn.Module):
         mb = self.mlp(self.post_attention_norm(yb))
         return torch.cat([ya + self._drop(ma), yb + self._drop(mb)], dim=1)
 
-    @property
-    def recompute(self) -> str | None:
-        return self._recompute
-
-    @recompute.setter
-    def recompute(self, mode: str | None) -> None:
-        self._recompute = mode
-        self.attention.recompute_core = mode == "selective"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rope = self.attention.rope(x)  # looked up here, eagerly: the (compiled) body takes the tables as inputs
         args = (x,) if rope is None else (x, *rope)
@@ -399,20 +392,23 @@ class TransformerLayer(nn.Module):
         return self.body(*args)
 
 
-def recompute_mode(config: GPTConfig, index: int) -> str | None:
-    """Megatron's activation recompute for the layer at ``index`` (from 0) of its pipeline stage:
-    selective = core attention of every layer; full + uniform = every layer (in chunks of
-    recompute_num_layers where the model runs them, see GPTModel); full + block = the first
-    recompute_num_layers layers of each stage; None = nothing."""
-    if config.recompute_granularity == "full" and config.recompute_method == "block":
-        return "full" if index < config.recompute_num_layers else None
-    return config.recompute_granularity
+def recompute_plan(config: GPTConfig, stage_layers: list[int] | None = None) -> tuple[list[str | None], int]:
+    """Megatron's activation recompute, decided here only: (the mode of each layer in order, the chunk).
 
-
-def assign_recompute(layers, config: GPTConfig) -> None:
-    """Apply the recompute policy to one pipeline stage's TransformerLayers, in order."""
-    for index, layer in enumerate(layers):
-        layer.recompute = recompute_mode(config, index)
+    selective = core attention of every layer; full + block = the first recompute_num_layers layers of
+    each stage; full + uniform = every layer. ``stage_layers``: the layer count of each pipeline stage,
+    where each layer checkpoints itself (chunk 1). None: GPTModel's one stage, which checkpoints full +
+    uniform chunks of recompute_num_layers > 1 layers itself (one kept input per chunk), so those layers
+    do not recompute."""
+    granularity, method, count = config.recompute_granularity, config.recompute_method, config.recompute_num_layers
+    if stage_layers is None:
+        if (granularity, method) == ("full", "uniform") and count > 1:
+            return [None] * config.num_layers, count
+        stage_layers = [config.num_layers]
+    block = (granularity, method) == ("full", "block")
+    modes = [("full" if index < count else None) if block else granularity
+             for layers in stage_layers for index in range(layers)]
+    return modes, 1
 
 
 class EmbeddingStage(nn.Module):
@@ -538,19 +534,12 @@ class GPTModel(nn.Module):
             raise ValueError("DeepSpeed-Ulysses (sp_group) runs with TP = 1, as in Megatron-DeepSpeed")
         self.sp_group = sp_group
         self.embedding = EmbeddingStage(config, tp_group, sp_group=sp_group)
-        self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group, sp_group, moe_mlp)
+        modes, self.recompute_chunk = recompute_plan(config)
+        self.layers = nn.ModuleList(TransformerLayer(config, n, tp_group, sp_group, moe_mlp, modes[n - 1])
                                     for n in range(1, config.num_layers + 1))
         self.moe_stats = MoEStats([layer.mlp for layer in self.layers])  # the loop reads the last forward's
         self.final_norm = FinalNorm(config, tp_group)
         self.output_head = None if config.tied_embeddings else OutputHead(config, tp_group)
-        # full + uniform recompute with chunks of several layers: one checkpoint per chunk (Megatron's
-        # uniform method keeps one input per chunk), so the layers themselves do not recompute.
-        self.recompute_chunk = 1
-        if (config.recompute_granularity, config.recompute_method) == ("full", "uniform"):
-            self.recompute_chunk = config.recompute_num_layers
-            if self.recompute_chunk > 1:
-                for layer in self.layers:
-                    layer.recompute = None
 
     @property
     def attention_backend(self) -> str:
@@ -609,8 +598,9 @@ class StageSpec:
         return self.forward_fn(module, x) if self.forward_fn is not None else module(x)
 
 
-def gpt_stage_specs(config: GPTConfig, tp_group=None) -> list[StageSpec]:
+def gpt_stage_specs(config: GPTConfig, tp_group=None, stage_layers: list[int] | None = None) -> list[StageSpec]:
     """The pieces of GPTModel in order; running them one after another equals GPTModel(config, tp_group).
+    ``stage_layers``: the layer count of each pipeline stage (default: one stage), for ``recompute_plan``.
 
     Every piece gets ``tp_group`` as its ``tp_group`` keyword argument (None: TP=1). Input of the
     first piece: tokens [b, s]; between pieces: hidden [s, b, h] ([s/tp, b, h] under SP); output
@@ -628,7 +618,9 @@ def gpt_stage_specs(config: GPTConfig, tp_group=None) -> list[StageSpec]:
 
     tied = "embed" if config.tied_embeddings else None
     specs = [StageSpec("embedding", EmbeddingStage, (config,), on_group(), tied_key=tied)]
-    specs += [StageSpec("layer", TransformerLayer, (config, n), on_group()) for n in range(1, config.num_layers + 1)]
+    modes, _ = recompute_plan(config, stage_layers or [config.num_layers])
+    specs += [StageSpec("layer", TransformerLayer, (config, n), on_group(recompute=modes[n - 1]))
+              for n in range(1, config.num_layers + 1)]
     specs.append(StageSpec("final_norm", FinalNorm, (config,), on_group()))
     if tied:
         specs.append(StageSpec("head", EmbeddingStage, (config,), on_group(positions=False), tied_key=tied,

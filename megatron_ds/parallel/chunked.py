@@ -3,7 +3,7 @@
 
 Under sequence parallelism every forward collective feeds, or is fed by, its own GEMM: the all-gather in front of
 a column-parallel linear and the reduce-scatter behind a row-parallel one. Nothing else is independent of them,
-so ``reorder`` cannot hide them (bench/RESULTS.md, session 13: ~25 ms of a 400 ms GPT-6.7B TP=2 step). Taken
+so ``reorder`` cannot hide them (bench/RESULTS.md: ~25 ms of a 400 ms GPT-6.7B TP=2 step). Taken
 apart by sequence chunk, each has a GEMM that does not need it:
 
 - gather -> GEMM: this rank's chunk is here already. Its GEMM runs while the all-gather brings the others'

@@ -5,7 +5,7 @@ column-parallel linear's input gradient, and the all-gather of a row-parallel li
 the very next kernel. Yet the weight-gradient GEMMs need none of them. Inductor schedules them elsewhere: its
 peak-memory pass moves them to the end of the backward (their outputs are the graph's), and torch's
 reordering passes only move collectives and waits, never compute. So nothing runs beside a collective (bench/
-RESULTS.md, session 14). This pass moves one independent GEMM into each collective's window, between its issue
+RESULTS.md). This pass moves one independent GEMM into each collective's window, between its issue
 and its wait. It may take a GEMM from before the collective (when nothing up to the collective needs it) or from
 after the wait (when it depends on neither), so the fc2, fc1 and attention-projection weight gradients fill the
 windows of the three collectives that follow them. The forward has no such GEMM and stays as it was.

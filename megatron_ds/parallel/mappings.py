@@ -13,7 +13,7 @@ Inside a compiled graph the collectives are torch's functional ones (a new tenso
 every backend: they are what dynamo itself emits, so ``--torch-compile`` traces them as they are, and no autograd
 Function here mutates a tensor. Eager layers (``--no-torch-compile``, Transformer Engine, MS-AMP) call c10d
 directly: the functional wrappers cost host time per call, and eager GPT-2.7B TP=2+SP ran 1.011-1.021x faster
-on c10d's (bench/RESULTS.md, session 25). The c10d calls write in place or into an output
+on c10d's (bench/RESULTS.md). The c10d calls write in place or into an output
 argument (``all_reduce(x)``, ``all_gather_into_tensor(out, x)``, ``all_gather(parts, x)``); dynamo rewrites them
 into in-place copies inside our Functions' forward, which torch 2.11's dynamo differentiates wrongly
 (pytorch#180642, fixed for 2.12 by #180921: the gradient goes to the wrong output, zeros arrive). That was the

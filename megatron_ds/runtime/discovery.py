@@ -3,7 +3,9 @@
 Launchers are tried in DESIGN.md's order and the first whose variables are present wins:
 torchrun/user (`RANK`), Slurm, PALS/PMI (PBS on Cray), Open MPI, MPICH/Intel MPI, PMIx, Flux, none.
 Inconsistent values raise DiscoveryError naming the variables: a wrong world size must be an error
-at start-up, never a rendezvous that waits forever.
+at start-up, never a rendezvous that waits forever. A Slurm step that hides its task variables from
+the process (Slurm 22.05's OCI containers) is placed from what it does show, or is an error that
+names the limit: never a silent "single process".
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import socket
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from megatron_ds.runtime.hostlist import HostlistError, expand_hostlist, parse_tasks_per_node
 
@@ -218,6 +221,65 @@ def _mpi_launched_inside_slurm(env: Mapping[str, str]) -> bool:
     return False
 
 
+CONTAINER_LIMIT = ("Slurm gave this task none of its task variables (SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID), as "
+                   "Slurm 22.05's OCI containers (srun --container) do")
+CONTAINER_WAY_OUT = ("run the image under srun with apptainer or pyxis, or on a Slurm whose OCI containers pass the "
+                     "task variables (24.11 does), or set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR yourself")
+
+
+_FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "num_nodes", "nodes")
+
+
+def _descends_from(pid: int) -> bool:
+    """True when `pid` is this process or one of its ancestors (/proc's parent chain)."""
+    current = os.getpid()
+    while current > 0:
+        if current == pid:
+            return True
+        try:
+            current = int(Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _hidden_slurm_task(env: Mapping[str, str]) -> str | None:
+    """How a Slurm job shows itself without this task's variables: "step" (the step's variables only: a container
+    step started by srun outside a batch script), "job" (the batch script's variables, yet this process does not
+    descend from the batch shell SLURM_TASK_PID names: a container step inside a batch script), or None."""
+    if env.get("SLURM_PROCID", "") == "" and env.get("SLURM_STEP_ID", "") != "":
+        return "step"
+    task_pid = env.get("SLURM_TASK_PID", "")
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID", "") == "" and task_pid.isdigit():
+        return None if _descends_from(int(task_pid)) else "job"
+    return None
+
+
+def _from_hidden_slurm_task(env: Mapping[str, str], shows: str) -> _Raw:
+    """Place a task whose step hides the task variables: possible when the step runs one task per node (22.05's
+    container steps always do) and its node list names this host; the rank is then the host's index in that list."""
+    job_id = env.get("SLURM_JOB_ID") or None
+    if shows == "job":  # only the job's variables: the step's own node and task counts are unknown
+        nodes = tuple(expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""))
+        _check(len(nodes) == 1, f"{CONTAINER_LIMIT}, nor the step's (SLURM_STEP_ID, SLURM_STEP_NODELIST): this job "
+                                f"has {len(nodes)} nodes (SLURM_JOB_NODELIST), so this task's rank cannot be known: "
+                                f"{CONTAINER_WAY_OUT}")
+        return _Raw("slurm", 0, 1, 0, 1, 0, 1, nodes, dict.fromkeys(_FIELDS, "SLURM_JOB_NODELIST"), job_id)
+    nodes_var = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if env.get(n)), "SLURM_STEP_NODELIST")
+    nodes = tuple(expand_hostlist(env.get(nodes_var, "")))
+    tasks_var, tasks = _first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or ("SLURM_STEP_NUM_TASKS", 0)
+    _check(tasks == len(nodes) > 0,
+           f"{CONTAINER_LIMIT}: {tasks_var}={tasks} tasks on {len(nodes)} nodes ({nodes_var}), so this task's rank "
+           f"cannot be known: {CONTAINER_WAY_OUT}; or run one task per node (srun --ntasks-per-node=1 ... "
+           "entrypoint launch --nproc-per-node G)")
+    index = _node_index(nodes)
+    _check(index is not None, f"{CONTAINER_LIMIT}, and this host ({socket.gethostname()}) is not in {nodes_var}="
+                              f"{env[nodes_var]!r} (a container with a host name of its own?), so its rank cannot be "
+                              f"known: {CONTAINER_WAY_OUT}")
+    return _Raw("slurm", index, tasks, 0, 1, index, len(nodes), nodes,
+                {**dict.fromkeys(_FIELDS, nodes_var), "world_size": tasks_var}, job_id)
+
+
 def _raw(env: Mapping[str, str]) -> _Raw | None:
     if env.get("RANK", "") != "":
         return _from_rank_variables(env)
@@ -237,6 +299,12 @@ def _raw(env: Mapping[str, str]) -> _Raw | None:
         return _from_generic("flux", env, "FLUX_TASK_RANK", "FLUX_JOB_SIZE", "FLUX_TASK_LOCAL_ID",
                              "FLUX_TASK_LOCAL_SIZE",
                              nnodes="FLUX_JOB_NNODES", job="FLUX_JOB_ID")
+    hidden = _hidden_slurm_task(env)
+    if hidden is not None:
+        try:
+            return _from_hidden_slurm_task(env, hidden)
+        except HostlistError as err:
+            raise DiscoveryError(f"Slurm variable: {err}") from None
     return None
 
 

@@ -23,18 +23,10 @@ import traceback
 from dataclasses import asdict, dataclass
 
 from megatron_ds.env_settings import IMAGE_FLAVOUR, PATCH_MANIFEST
+from megatron_ds.image_flavours import BASE_REQUIRED, FLAVOURS
 from megatron_ds.runtime import profiles
 
 MANIFEST_DEFAULT = "/opt/mds/patch-manifest.json"
-FLAVOURS = ("cpu", "cuda", "rocm", "msamp")
-# tensorboard and safetensors: --tensorboard-dir and HF import/export (pyproject's `image` extra)
-BASE_REQUIRED = ("python", "torch", "deepspeed", "tokenizers", "tensorboard", "safetensors", "megatron_ds")
-REQUIRED = {
-    "cpu": BASE_REQUIRED,
-    "cuda": BASE_REQUIRED + ("cuda", "nccl"),
-    "rocm": BASE_REQUIRED + ("rocm", "rccl"),
-    "msamp": BASE_REQUIRED + ("cuda", "nccl", "msamp"),
-}
 DEEPSPEED_TIMEOUT_S = 60
 
 _DEEPSPEED_PROBE = r"""
@@ -379,6 +371,21 @@ def _default_flavour() -> str:
     return flavour if flavour in FLAVOURS else ""
 
 
+def _deepspeed_check(ds_proc: subprocess.Popen) -> Check:
+    """The answer of the DeepSpeed probe started at the doctor's start (killed after DEEPSPEED_TIMEOUT_S)."""
+    ds_start = time.monotonic()
+    try:
+        out, err = ds_proc.communicate(timeout=DEEPSPEED_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        ds_proc.kill()
+        ds_proc.communicate()
+        return Check("deepspeed", False, detail=f"import did not finish in {DEEPSPEED_TIMEOUT_S} s")
+    result = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"ok": False, "error": err.strip()[-300:]}
+    detail = (f"accelerator {result.get('accelerator')}" + (", GPU op ok" if result.get("gpu_op") else "")
+              if result.get("ok") else result.get("error", ""))
+    return Check("deepspeed", result.get("ok"), result.get("version"), detail, seconds=time.monotonic() - ds_start)
+
+
 def run_checks(flavour: str | None) -> dict:
     start = time.monotonic()
     ds_proc = subprocess.Popen([sys.executable, "-c", _DEEPSPEED_PROBE], stdout=subprocess.PIPE,
@@ -392,28 +399,16 @@ def run_checks(flavour: str | None) -> dict:
         import torch
 
         flavour = "rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu")
-    for name, exercise, gpu_only in (("tokenizers", _tokenizers, False), ("tensorboard", _tensorboard, False),
-                                     ("safetensors", _safetensors, False), ("transformer_engine", _te, True),
-                                     ("flash_attn", _flash, True), ("apex", _apex, True), ("msamp", _msamp, True),
-                                     ("torchao", _torchao, False),
-                                     ("triton", _triton, False), ("megatron_ds", _megatron_ds, False)):
-        checks.append(_module_check(name, name, exercise, gpu_only))
-    ds_start = time.monotonic()
-    try:
-        out, err = ds_proc.communicate(timeout=DEEPSPEED_TIMEOUT_S)
-        result = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"ok": False, "error": err.strip()[-300:]}
-        detail = (f"accelerator {result.get('accelerator')}" + (", GPU op ok" if result.get("gpu_op") else "")
-                  if result.get("ok") else result.get("error", ""))
-        checks.insert(4, Check("deepspeed", result.get("ok"), result.get("version"), detail,
-                               seconds=time.monotonic() - ds_start))
-    except subprocess.TimeoutExpired:
-        ds_proc.kill()
-        ds_proc.communicate()
-        checks.insert(4, Check("deepspeed", False, detail=f"import did not finish in {DEEPSPEED_TIMEOUT_S} s"))
+    modules = [_module_check(name, name, exercise, gpu_only) for name, exercise, gpu_only in (
+        ("tokenizers", _tokenizers, False), ("tensorboard", _tensorboard, False), ("safetensors", _safetensors, False),
+        ("transformer_engine", _te, True), ("flash_attn", _flash, True), ("apex", _apex, True),
+        ("msamp", _msamp, True), ("torchao", _torchao, False), ("triton", _triton, False),
+        ("megatron_ds", _megatron_ds, False))]
+    checks += [_deepspeed_check(ds_proc), *modules]  # DeepSpeed's import ran beside the module checks
     network, libraries = _network(os.environ)
     manifest_check, manifest = _manifest(os.environ)
     checks += [network, manifest_check]
-    required = set(REQUIRED.get(flavour, BASE_REQUIRED))
+    required = set(FLAVOURS[flavour].required if flavour in FLAVOURS else BASE_REQUIRED)
     for check in checks:
         check.required = check.name in required
     if gpus and any("error" in g for g in gpus):
@@ -454,7 +449,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when a component the flavour requires is absent or broken, "
                              "or an installed component fails its check")
-    parser.add_argument("--flavour", choices=FLAVOURS, default=_default_flavour() or None,
+    parser.add_argument("--flavour", choices=list(FLAVOURS), default=_default_flavour() or None,
                         help="image flavour whose requirements --strict enforces (default: $MDS_IMAGE_FLAVOUR, "
                              "else from the torch build)")
     args = parser.parse_args(argv)

@@ -1,9 +1,10 @@
 """In-job restarts (--max-restarts N, torchrun's name): run the node's ranks again after a failure or a hang.
 
 The ranks get the same command line, so a run with --load resumes from its `latest` checkpoint.
-Not restarted: success, the FINAL exit codes (a configuration error, exit 2, and a non-finite loss or
-gradient norm, exit 65: a restart from `latest` would fail the same way), and a stop asked for from
-outside (TERM/INT to the launcher). A restart loop, i.e. SAME_FAILURE_LIMIT
+Not restarted: success, the FINAL exit codes (a configuration error, exit 2; a non-finite loss or gradient
+norm, exit 65; a save the disk refused, exit 74: a restart from `latest` would end the same way, or refuse the
+same save again after the steps since `latest` were trained once more), and a stop asked for from outside
+(TERM/INT to the launcher). A restart loop, i.e. SAME_FAILURE_LIMIT
 attempts in a row failing the same way at the same iteration, gives up with its cause.
 """
 
@@ -16,7 +17,9 @@ from megatron_ds.runtime.watchdog import HANG_EXIT
 
 CONFIG_ERROR = 2
 NONFINITE_EXIT = 65  # sysexits' EX_DATAERR: the run's numbers went bad (training/nonfinite.py)
-FINAL = {CONFIG_ERROR: "a configuration error", NONFINITE_EXIT: "a non-finite loss or gradient norm"}
+SAVE_FAILED = 74  # megatron_ds.checkpoint.SAVE_FAILED_EXIT (runtime imports no training package)
+FINAL = {CONFIG_ERROR: "a configuration error", NONFINITE_EXIT: "a non-finite loss or gradient norm",
+         SAVE_FAILED: "a save the disk refused"}
 SAME_FAILURE_LIMIT = 2
 
 

@@ -2,7 +2,8 @@
 
 Slurm scripts start one task per GPU (srun --ntasks-per-node=G) with the container runtime of the
 site: pyxis (`srun --container-image`), apptainer/singularity (`srun ... singularity exec`, LUMI's
-binds and CPU masks when the profile has a CPU map), or none (the entrypoint installed on the host).
+binds and CPU masks when the profile has a CPU map), oci (Slurm's own OCI containers: `srun
+--container=BUNDLE`, the runtime named by the nodes' oci.conf), or none (the entrypoint installed on the host).
 `--scheduler pbs` writes a PBS script for PALS mpiexec (Polaris style: mpiexec --ppn G --cpu-bind depth).
 """
 
@@ -49,9 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (0 for a CPU-only job)")
     parser.add_argument("--ntasks-per-node", type=int, default=None,
                         help="tasks per node (default: --gpus-per-node, i.e. one task per GPU; 1 when 0 GPUs)")
-    parser.add_argument("--runtime", choices=("pyxis", "apptainer", "none"), required=True,
-                        help="container runtime: pyxis/enroot, apptainer/singularity, or none (entrypoint on the host)")
-    parser.add_argument("--image", default=None, help="container image (pyxis: name or .sqsh; apptainer: .sif)")
+    parser.add_argument("--runtime", choices=("pyxis", "apptainer", "oci", "none"), required=True,
+                        help="container runtime: pyxis/enroot, apptainer/singularity, oci (Slurm's srun --container "
+                             "with an OCI bundle), or none (entrypoint on the host)")
+    parser.add_argument("--image", default=None,
+                        help="container image (pyxis: name or .sqsh; apptainer: .sif; oci: the bundle directory, "
+                             "made by scripts/oci-bundle)")
     parser.add_argument("--scheduler", choices=("slurm", "pbs"), default="slurm", help="batch system (default slurm)")
     parser.add_argument("--profile", default=None, help="site profile for the ranks (sets MDS_PROFILE in the job)")
     parser.add_argument("-t", "--time", default="01:00:00", help="wall time limit (default 01:00:00)")
@@ -115,7 +119,19 @@ def _container(a, profile) -> list[str]:
         for bind in binds:
             words += ["-B", _dq(bind)]
         return words + [a.image]
+    if a.runtime == "oci":  # the container starts in the bundle's cwd: the task moves to the work directory itself
+        return [_Shell(f"--container={shlex.quote(a.image)}"), "sh", "-c", 'cd "$0" && exec "$@"',
+                _Shell('"${WORKDIR}"')]
     return []
+
+
+OCI_NOTE = [
+    "# --container: Slurm's own OCI containers. The bundle (rootfs/ + config.json, on a path every node sees) is made",
+    "# from the image with `scripts/oci-bundle IMAGE BUNDLE DIR...` (mds repository; docs/images.md): its config.json",
+    "# binds each DIR (this work directory, the data, the checkpoints). The nodes' oci.conf names the OCI runtime",
+    "# (runc, crun). Several tasks per container step need a Slurm that runs them (24.11 does; 22.05 runs one per",
+    "# node: there use --ntasks-per-node=1 and `entrypoint launch --nproc-per-node G`).",
+]
 
 
 def _quote(word: str) -> str:
@@ -133,6 +149,8 @@ def render(a, profile) -> str:
         body.append(f"export {PROFILE.name}={shlex.quote(a.profile)}")
     if a.runtime == "apptainer":
         body.append('CONTAINER_CMD="$(command -v apptainer || command -v singularity)"')
+    if a.runtime == "oci":
+        body += OCI_NOTE
     if a.scheduler == "slurm":
         header = _header_slurm(a, ntasks, profile)
         body += ['WORKDIR="${SLURM_SUBMIT_DIR:-$PWD}"', 'cd "${WORKDIR}"']
@@ -150,6 +168,8 @@ def render(a, profile) -> str:
             words += ["--env", f"{PROFILE.name}={a.profile}"]
     segments = [words, _container(a, profile), [a.entrypoint, *command]]
     launch = " \\\n    ".join(" ".join(_quote(w) for w in seg) for seg in segments if seg)
+    if a.runtime == "oci":
+        body.append("# shellcheck disable=SC2016  # $0 and $@ are the container shell's")
     return "\n".join(header + [""] + body + [launch, ""])
 
 
@@ -162,7 +182,12 @@ def main(argv: list[str]) -> int:
     if a.nodes < 1 or a.gpus_per_node < 0 or (a.ntasks_per_node is not None and a.ntasks_per_node < 1):
         parser.error("--nodes and --ntasks-per-node must be >= 1, --gpus-per-node >= 0")
     if a.runtime != "none" and not a.image:
-        parser.error(f"--runtime {a.runtime} needs --image")
+        what = {"pyxis": "an image name or .sqsh file", "apptainer": "a .sif file",
+                "oci": "an OCI bundle directory, made by scripts/oci-bundle IMAGE BUNDLE DIR..."}[a.runtime]
+        parser.error(f"--runtime {a.runtime} needs --image: {what}")
+    if a.runtime == "oci" and a.mount:
+        parser.error("--mount with --runtime oci: the bundle's config.json holds the binds "
+                     "(scripts/oci-bundle IMAGE BUNDLE DIR... binds each DIR)")
     try:
         profile = profiles.get_profile(a.profile) if a.profile else None
     except ProfileError as err:

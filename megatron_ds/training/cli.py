@@ -35,6 +35,9 @@ def main(argv: list[str]) -> int:
         except ValueError as err:  # DiscoveryError / ProfileError: inconsistent launcher variables
             return _error(str(err))
         settings = validate(args, plan.ranks()[0].world_size)
+        if args.dry_run:  # what the flags resolved to (ALCF's values among them), before the estimate
+            for line in settings.notices:
+                print(line, file=sys.stderr)
         if os.environ.get("RANK") in (None, "0"):  # the launcher, a lone process, rank 0: before any rank starts
             for note in data_within_vocabulary(settings):
                 print(note, file=sys.stderr)
@@ -70,7 +73,7 @@ def main(argv: list[str]) -> int:
             print(line, file=sys.stderr)
     from torch.cuda import OutOfMemoryError
 
-    from megatron_ds.checkpoint import CheckpointError
+    from megatron_ds.checkpoint import SAVE_FAILED_EXIT, CheckpointError, SaveError
     from megatron_ds.training.loop import train
     from megatron_ds.training.lr_schedule import ScheduleMismatch
 
@@ -78,6 +81,8 @@ def main(argv: list[str]) -> int:
         code = train(settings)
     except (CheckpointError, ScheduleMismatch) as err:  # missing, partial or mismatched --load: a config error
         code = _error(str(err))
+    except SaveError:  # full, failing or read-only disk: rank 0 named it in one line while the ranks agreed
+        code = SAVE_FAILED_EXIT
     except OutOfMemoryError as err:  # a size this GPU cannot hold: a config error too (no restart would help)
         code = _out_of_memory(settings, err)
     leave_rank(code)

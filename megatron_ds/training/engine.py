@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.model.config import GPTConfig
-from megatron_ds.model.gpt import FinalNorm, GPTModel, TransformerLayer, assign_recompute, gpt_stage_specs, lm_loss
+from megatron_ds.model.gpt import FinalNorm, GPTModel, TransformerLayer, gpt_stage_specs, lm_loss
 from megatron_ds.parallel.layers import weights_drawn_on
 from megatron_ds.parallel.pipeline_split import stage_layers
 from megatron_ds.parallel.state import ParallelState, local_device_index
@@ -34,15 +34,18 @@ from megatron_ds.training.ulysses_zero import backward_scale, partition_over_seq
 def pipeline_module(config: GPTConfig, state: ParallelState, last_stage_layers: int | None = None):
     """DeepSpeed PipelineModule: one LayerSpec per stage spec; the tied embedding/head as TiedLayerSpec.
 
-    The specs carry ``state.tp_group`` in their keyword arguments; DeepSpeed passes them unchanged
-    to the constructors when it builds this rank's stage. The stages hold the layer counts of
-    parallel/pipeline_split.py (``last_stage_layers``: the flag's value), kept as ``module.stage_layers``."""
+    The specs carry ``state.tp_group`` and each layer's recompute mode (it counts layers within a stage) in
+    their keyword arguments; DeepSpeed passes them unchanged to the constructors when it builds this rank's
+    stage. The stages hold the layer counts of parallel/pipeline_split.py (``last_stage_layers``: the flag's
+    value), kept as ``module.stage_layers``."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     tp_group = state.tp_group
+    split = stage_layers(config.num_layers, state.pp_size, last=last_stage_layers,
+                         head_layers=config.head_cost_in_layers())
     layers = []
-    for spec in gpt_stage_specs(config, tp_group=tp_group):
+    for spec in gpt_stage_specs(config, tp_group=tp_group, stage_layers=split):
         if spec.tied_key is not None:
             layers.append(TiedLayerSpec(spec.tied_key, spec.module_class, *spec.args, forward_fn=spec.forward_fn,
                                         tied_weight_attr=spec.tied_weight_attr, **spec.kwargs))
@@ -55,8 +58,6 @@ def pipeline_module(config: GPTConfig, state: ParallelState, last_stage_layers: 
         # mean per-token loss of this micro-batch; the last stage's logits serve nothing after it
         return lm_loss(logits, labels, tp_group, overwrite_logits=True).mean()
 
-    split = stage_layers(config.num_layers, state.pp_size, last=last_stage_layers,
-                         head_layers=config.head_cost_in_layers())
     # spec indices where each stage starts: the embedding and stage 0's layers, ..., the last layers and the head
     bounds = [0, *(1 + sum(split[:s]) for s in range(1, len(split))), len(layers)]
 
@@ -76,8 +77,6 @@ def pipeline_module(config: GPTConfig, state: ParallelState, last_stage_layers: 
 
     module = SplitPipelineModule(layers=layers, loss_fn=loss_fn, topology=topology, activation_checkpoint_interval=0)
     module.stage_layers = split
-    # Recompute counts layers within a stage (Megatron's block method), known once DeepSpeed has partitioned.
-    assign_recompute([m for m in module.modules() if isinstance(m, TransformerLayer)], config)
     return module
 
 

@@ -470,6 +470,7 @@ class Trainer:
                         self.evaluator.run(st)
                 with self.progress.phase("saving", st.iteration):
                     self.checkpointer.save(st)
+                    self.checkpointer.finish()  # --async-save: the last save is written before the run ends
                 if reason is not None:
                     saved = "" if self.checkpointer.enabled else " (no --save given: nothing was saved)"
                     _log(f"mds train: stopping: {reason}{saved}; last iteration {st.iteration}")

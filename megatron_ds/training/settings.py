@@ -186,6 +186,9 @@ class CheckpointSettings:
     no_load_optim: bool
     no_load_rng: bool
     finetune: bool
+    ckpt_step: int | None
+    no_ckpt_fallback: bool
+    async_save: bool
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,11 @@ def test_fp8_rows_give_megatron_lm_our_delayed_scaling_recipe():
     assert value(lm, "--fp8-recipe") == "delayed" and value(lm, "--fp8-margin") == "1"
     assert value(lm, "--fp8-amax-history-len") == "16" and value(lm, "--fp8-amax-compute-algo") == "max"
     plain = peers.megatron_lm_command(args_for(GPT13), steps=4, data="/d", gpus=1)
-    assert not [f for f in plain if f.startswith("--fp8")]
+    assert not [f for f in plain if f.startswith("--fp8")] and "--tp-comm-overlap" not in plain
+    tp2 = peers.megatron_lm_command(args_for(GPT67_TP2SP), steps=4, data="/d", gpus=2)
+    assert "--tp-comm-overlap" in tp2  # TE's TP overlap, as its users run TP=2+SP
+    assert "--tp-comm-overlap" not in peers.megatron_lm_command(args_for(GPT67_TP2SP), steps=4, data="/d", gpus=2,
+                                                                transformer_impl="local")
 
 
 def test_megatron_lm_without_zero_keeps_its_plain_optimizer():

@@ -130,3 +130,26 @@ def wait_for(predicate, timeout: float, what: str, ranks: Ranks | None = None) -
     if ranks is not None:
         ranks.kill()
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def rank_pids(supervisor: subprocess.Popen, ranks: int, timeout: float = 120) -> dict[int, int]:
+    """{rank: pid} of the ranks `entrypoint train --nproc-per-node` spawned."""
+    found: dict[int, int] = {}
+
+    def scan() -> bool:
+        try:
+            children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+        except OSError:
+            return False
+        for pid in map(int, children):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = pid
+        return len(found) == ranks
+
+    wait_for(scan, timeout, "the ranks to start")
+    return found

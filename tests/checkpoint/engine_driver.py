@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -35,6 +36,9 @@ def parse(argv):
     p.add_argument("--no-save-optim", action="store_true")
     p.add_argument("--no-save-rng", action="store_true")
     p.add_argument("--finetune", action="store_true")
+    p.add_argument("--ckpt-step", type=int)
+    p.add_argument("--no-ckpt-fallback", action="store_true")
+    p.add_argument("--async-save", action="store_true")
     p.add_argument("--exit-signal-handler", action="store_true")
     p.add_argument("--exit-duration-in-mins", type=float)
     p.add_argument("--metrics-file")
@@ -76,6 +80,7 @@ def main(argv) -> int:
     import deepspeed
 
     from megatron_ds import checkpoint
+    from megatron_ds.env_settings import TEST_SLOW_SAVE
     from megatron_ds.parallel import state as parallel
     from megatron_ds.training.state import TrainState
 
@@ -97,15 +102,7 @@ def main(argv) -> int:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            mpu=parallel.mpu(), dist_init_required=False)
     if args.slow_save:
-        original = engine.checkpoint_engine.save
-
-        def slow(state_dict, path, *a, **kw):
-            result = original(state_dict, path, *a, **kw)
-            time.sleep(args.slow_save)
-            return result
-
-        engine.checkpoint_engine.save = slow
-
+        os.environ[TEST_SLOW_SAVE.name] = str(args.slow_save)
     checkpointer = checkpoint.Checkpointer(engine, args)
     state = TrainState()
     checkpointer.load(state)
@@ -135,6 +132,7 @@ def main(argv) -> int:
                 print(f"driver: {reason} at iteration {state.iteration}", flush=True)
             break
     checkpointer.save(state)
+    checkpointer.finish()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import ENTRYPOINT, GPT, Ranks, env, metrics, run, train_argv, wait_for
+from ckpt_helpers import ENTRYPOINT, GPT, Ranks, env, metrics, rank_pids, run, train_argv, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -96,29 +96,6 @@ def test_resume_in_another_data_order_says_so(reference, demo_corpus, tmp_path):
             "pass --data-order megatron to continue on the same samples") in result.stderr
 
 
-def _rank_pids(supervisor: subprocess.Popen, ranks: int, timeout: float = 120) -> dict[int, int]:
-    """{rank: pid} of the ranks `entrypoint train --nproc-per-node` spawned."""
-    found: dict[int, int] = {}
-
-    def scan() -> bool:
-        try:
-            children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
-        except OSError:
-            return False
-        for pid in map(int, children):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in environ:
-                if item.startswith(b"RANK="):
-                    found[int(item[5:])] = pid
-        return len(found) == ranks
-
-    wait_for(scan, timeout, "the ranks to start")
-    return found
-
-
 @pytest.mark.parametrize("name,target", [("tp2", "one-rank"), ("zero2", "all-ranks")])
 def test_signal_saves_at_one_iteration_exits_0_and_resumes_exactly(name, target, reference, demo_corpus, tmp_path):
     """SIGTERM to rank 1 only (the others learn it through the per-step all_reduce), or SIGUSR1 to
@@ -132,7 +109,7 @@ def test_signal_saves_at_one_iteration_exits_0_and_resumes_exactly(name, target,
     supervisor = subprocess.Popen(train_argv(demo_corpus, ranks, [*flags, "--save", "ckpt", "--exit-signal-handler"]),
                                   cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT)
     try:
-        pids = _rank_pids(supervisor, ranks)
+        pids = rank_pids(supervisor, ranks)
         wait_for(lambda: (cwd / "metrics.jsonl").exists() and "lm_loss" in (cwd / "metrics.jsonl").read_text(),
                  180, "iteration 1")
         for pid in pids.values():

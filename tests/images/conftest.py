@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .recipes import CPU_TEST_IMAGE, make
+
 START_TIMEOUT_S = 60
 
 
@@ -94,3 +96,12 @@ def docker(tmp_path_factory):
         yield client
     finally:
         daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_image(docker):
+    """The default recipe built on the CPU base as CPU_TEST_IMAGE, once per session (the Docker tests run it,
+    the SIF tests convert it); its build log."""
+    code, log = make(docker, "image-cpu", f"IMAGE_CPU={CPU_TEST_IMAGE}")
+    assert code == 0, log[-6000:]
+    return log

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
+from megatron_ds.image_flavours import FLAVOURS
+
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILES = {  # recipe -> its pin file
-    "Dockerfile": "cuda/versions",
-    "docker/rocm.Dockerfile": "rocm/versions",
-    "docker/msamp.Dockerfile": "cuda/versions",
-}
+DOCKERFILES = {flavour.recipe: flavour.pins for flavour in FLAVOURS.values()}  # recipe -> its pin file
 DEFINITIONS = {"apptainer/mds.def": None, "apptainer/lumi.def": "rocm/versions"}
 # build arguments that are not versions: our own metadata and switches
 NOT_PINS = {"MDS_VERSION", "MDS_SOURCE", "MDS_REVISION", "PATCH_TARGETS", "PIN_CHECK", "IMAGE", "MDS_IMAGE_FLAVOUR"}
 STEP_SCRIPTS = sorted((ROOT / "docker" / "steps").glob("*.sh"))
+CPU_TEST_IMAGE = "mds:cpu-test"  # the default recipe on the CPU base, built once per session (conftest.cpu_image)
+BUILD_TIMEOUT_S = 1500
+
+
+def make(docker: str, *targets_and_vars: str, timeout: float = BUILD_TIMEOUT_S, cwd: Path = ROOT) -> tuple[int, str]:
+    """Run make with the given targets and VAR=value pairs and the docker client; (exit code, its output)."""
+    result = subprocess.run(["make", "--no-print-directory", *targets_and_vars, f"DOCKER={docker}"], cwd=cwd,
+                            capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
 
 
 def read_pins(path: str | Path) -> dict[str, str]:

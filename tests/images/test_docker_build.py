@@ -17,32 +17,18 @@ import subprocess
 
 import pytest
 
-from .recipes import ROOT
+from .recipes import BUILD_TIMEOUT_S, CPU_TEST_IMAGE, ROOT, make
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
-IMAGE = "mds:cpu-test"
+IMAGE = CPU_TEST_IMAGE
 ROCM_IMAGE = "mds:rocm-cpu-test"
-BUILD_TIMEOUT_S = 1500
-
-
-def make(docker, *targets_and_vars, timeout=BUILD_TIMEOUT_S):
-    result = subprocess.run(["make", "--no-print-directory", *targets_and_vars, f"DOCKER={docker}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=timeout)
-    return result.returncode, result.stdout + result.stderr
 
 
 def run(docker, image, *command, timeout=600):
     result = subprocess.run([docker, "run", "--rm", "--shm-size=1g", image, *command], capture_output=True,
                             text=True, timeout=timeout)
     return result.returncode, result.stdout + result.stderr
-
-
-@pytest.fixture(scope="module")
-def cpu_image(docker):
-    code, log = make(docker, "image-cpu", f"IMAGE_CPU={IMAGE}")
-    assert code == 0, log[-6000:]
-    return log
 
 
 def test_build_says_what_it_skips_and_ends_with_the_self_check(docker, cpu_image):

@@ -176,8 +176,8 @@ def test_deepspeed_series_is_applied_to_the_installed_release():
 
     apply = load_apply()
     header, _ = apply.read_series("deepspeed")
-    if deepspeed.__version__ != header["ref"]:
-        pytest.skip(f"DeepSpeed {deepspeed.__version__} installed here, the series is pinned to {header['ref']}")
+    assert deepspeed.__version__ == header["ref"], \
+        f"DeepSpeed {deepspeed.__version__} installed here, the series is pinned to {header['ref']}: run make setup"
     result = subprocess.run([sys.executable, str(APPLY), "deepspeed", "--installed", "deepspeed", "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

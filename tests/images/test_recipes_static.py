@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from megatron_ds.image_flavours import FLAVOURS
+
 from .recipes import (
     DEFINITIONS,
     DOCKERFILES,
@@ -24,7 +26,7 @@ from .recipes import (
     read_pins,
 )
 
-MAKE_TARGETS = ("image", "image-rocm", "image-msamp", "image-cpu", "sif", "sif-lumi", "sqsh")
+MAKE_TARGETS = (*(flavour.make for flavour in FLAVOURS.values()), "sif", "sif-cpu", "sif-lumi", "sqsh")
 
 
 @pytest.mark.parametrize("recipe", sorted(DOCKERFILES))
@@ -177,7 +179,11 @@ def test_apptainer_definition(definition, tmp_path):
     assert 'exec entrypoint "$@"' in runscript, f"{definition}: %runscript must exec entrypoint \"$@\""
     assert sections["runscript"].strip().splitlines()[-1].strip() == 'exec entrypoint "$@"'
     assert any("self-check.sh" in line for line in recipe.install), f"{definition}: %test must run the self check"
-    assert any(label.startswith("io.mds.flavour ") for label in recipe.labels)
+    if bootstrap == "docker-daemon":  # the image's labels (its flavour) carry over: tests/images/test_sif.py
+        assert not any(label.startswith("io.mds.flavour ") for label in recipe.labels), \
+            f"{definition}: the flavour is the Docker image's; a label here would be ignored"
+    else:
+        assert any(label.startswith("io.mds.flavour ") for label in recipe.labels)
     stack_labels = [label.split()[0] for label in recipe.labels if label.startswith("io.mds.stack.")]
     assert all(key.endswith(".pinned") for key in stack_labels), f"{definition}: stack labels must say they are pins"
     for entry in recipe.files:
@@ -203,12 +209,36 @@ def test_makefile_targets_print_the_pinned_builds():
     assert "-f docker/rocm.Dockerfile" in text and "--build-arg 'ROCM_VERSION=" in text
     assert "-f docker/msamp.Dockerfile" in text
     assert "apptainer build --build-arg IMAGE=mds:latest mds.sif apptainer/mds.def" in text
-    assert "apptainer build --build-arg-file rocm/versions mds-lumi.sif apptainer/lumi.def" in text
+    assert "apptainer build --build-arg IMAGE=mds:cpu mds-cpu.sif apptainer/mds.def" in text
+    # lumi.def's arguments, and only those, from rocm/versions (apptainer refuses unused ones)
+    keys = "|".join(definition_arguments("apptainer/lumi.def"))
+    assert f"grep -E '^({keys})=' rocm/versions > .cache/sif-lumi.args" in text
+    assert "apptainer build --build-arg-file .cache/sif-lumi.args mds-lumi.sif apptainer/lumi.def" in text
     assert "enroot import -o mds.sqsh dockerd://mds:latest" in text
     based = subprocess.run(["make", "-n", "image", "BASE_IMAGE=example/base:1"], cwd=ROOT, env=env,
                            capture_output=True, text=True).stdout
     assert based.rindex("'BASE_IMAGE=example/base:1'") > based.index("'BASE_IMAGE=nvcr.io"), \
         "BASE_IMAGE=... must come after the pinned one (the last --build-arg wins)"
+
+
+@pytest.mark.parametrize("name", sorted(FLAVOURS))
+def test_each_flavours_make_target_builds_its_recipe_with_its_pins(name):
+    """megatron_ds/image_flavours.json is the one list of flavours: its make target builds its recipe with its pin
+    file's build arguments, and the image it makes says it is that flavour (doctor's default requirements)."""
+    flavour = FLAVOURS[name]
+    env = dict(os.environ, DOCKER="docker", PIP_CA="", BASE_IMAGE="")
+    out = subprocess.run(["make", "-n", flavour.make], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    build = next((line for line in out.stdout.splitlines() if f" -f {flavour.recipe} " in line), None)
+    assert build, f"make {flavour.make} does not build {flavour.recipe}:\n{out.stdout}"
+    for key, value in read_pins(flavour.pins).items():
+        assert f"--build-arg '{key}={value}'" in build, f"make {flavour.make}: {key} from {flavour.pins} not passed"
+    assert flavour.base_arg in dockerfile_args(flavour.recipe), f"{flavour.recipe}: no ARG {flavour.base_arg}"
+    passed = re.findall(r"--build-arg MDS_IMAGE_FLAVOUR=(\w+)", build)
+    env_default = re.findall(r"MDS_IMAGE_FLAVOUR=(\w+)", " ".join(
+        rest for instruction, rest in dockerfile_instructions(flavour.recipe) if instruction == "ENV"))
+    made = passed[-1] if passed else dockerfile_args(flavour.recipe).get("MDS_IMAGE_FLAVOUR") or env_default[0]
+    assert made == name, f"make {flavour.make} builds an image of flavour {made!r}, not {name!r}"
 
 
 # The source label once named a repository address nobody had made: the label says where the tree came from

@@ -14,7 +14,7 @@ import torch
 import megatron_ds.model
 from megatron_ds.model.attention import CoreAttention, resolve_backend
 from megatron_ds.model.config import GPTConfig, ModelConfigError
-from megatron_ds.model.gpt import EmbeddingStage, GPTModel, TransformerLayer, gpt_stage_specs, lm_loss
+from megatron_ds.model.gpt import EmbeddingStage, GPTModel, TransformerLayer, gpt_stage_specs, lm_loss, recompute_plan
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
             hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa", seed=3)
@@ -133,6 +133,18 @@ def test_megatron_recompute_policies_give_the_same_gradients(recompute):
                     recompute)
     with pytest.raises(ModelConfigError, match="--recompute-granularity full needs --recompute-method"):
         GPTConfig(**dict(kw, recompute_granularity="full"))
+
+
+def test_recompute_is_planned_per_stage_and_reaches_the_pipeline_specs():
+    """Block counts layers within each pipeline stage; under a pipeline every layer checkpoints itself (no chunks)."""
+    kw = dict(LLAMA, num_layers=4)
+    block = GPTConfig(**dict(kw, **RECOMPUTE["full_block_1"]))
+    assert recompute_plan(block, [2, 2]) == (["full", None, "full", None], 1)
+    specs = gpt_stage_specs(block, stage_layers=[2, 2])
+    assert [s.build().recompute for s in specs if s.kind == "layer"] == ["full", None, "full", None]
+    uniform = GPTConfig(**dict(kw, **RECOMPUTE["full_uniform_2"]))
+    assert recompute_plan(uniform) == ([None] * 4, 2)
+    assert recompute_plan(uniform, [3, 1]) == (["full"] * 4, 1)
 
 
 def test_rotary_percent_rotates_the_first_dims_only():

@@ -26,7 +26,6 @@ import torch
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.parallel import state
 from megatron_ds.parallel.testing import run_on_ranks
-from megatron_ds.torch_support import compile_problem
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gpt_parallel import CASES, run_case  # noqa: E402
@@ -63,9 +62,8 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
 
 
+@pytest.mark.needs_torch_compile
 def test_compiled_tp2_equals_eager_tp2(monkeypatch):
-    if compile_problem() is not None:  # torch 2.1: --torch-compile is refused outright (test_arguments)
-        pytest.skip(compile_problem())
     monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
     results = run_on_ranks(compiled_worker, 2, CASE_NAMES, tp=2, timeout=900)
     for r, result in enumerate(results):
@@ -134,6 +132,7 @@ def overlap_worker(cases: list[str]) -> dict:
     return results
 
 
+@pytest.mark.needs_torch_compile
 def test_tp_comm_overlap_modes_move_the_waits_and_keep_the_sums(monkeypatch):
     """reorder: collectives with compute between issue and wait (none in inductor's plain schedule). chunked (SP):
     more of them with a GEMM in between than reorder manages, since each SP GEMM is split by sequence chunk and the
@@ -143,8 +142,6 @@ def test_tp_comm_overlap_modes_move_the_waits_and_keep_the_sums(monkeypatch):
     2 of 6 without. halves: more than reorder as well, with and without SP, since one half's collectives sit
     beside the other half's GEMMs in the forward too. All: the eager sums (halves splits the batch: the same
     sums row by row)."""
-    if compile_problem() is not None:  # torch 2.1: --torch-compile (and so the overlap) is refused outright
-        pytest.skip(compile_problem())
     monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
     cases = ["gpt2", "gpt2_sp"]
     results = run_on_ranks(overlap_worker, 2, cases, tp=2, timeout=900)
@@ -204,6 +201,7 @@ def pipeline_worker(cases: list[str]) -> dict:
     return results
 
 
+@pytest.mark.needs_torch_compile
 def test_tp_comm_overlap_pipeline_fuses_every_sequence_parallel_gather_and_scatter(monkeypatch):
     """Torch's asynchronous TP rewrites a graph only where it finds its patterns (all-gather -> GEMM,
     GEMM -> reduce-scatter) and otherwise says nothing but one log line, so the lever could silently be a no-op.
@@ -213,8 +211,6 @@ def test_tp_comm_overlap_pipeline_fuses_every_sequence_parallel_gather_and_scatt
     with CPU kernels for the fused ops (cpu_async_tp; tests/gpu runs torch's own on 2 GPUs).
     With attention dropout the core runs eagerly between two graphs (SelfAttention.core_for): found on 2 x H100,
     where a break deeper in the layer left it in five pieces; the two graphs fuse as much as the one does."""
-    if compile_problem() is not None:  # torch 2.1: --torch-compile (and so the overlap) is refused outright
-        pytest.skip(compile_problem())
     monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
     cases = list(PIPELINE_CASES)
     for r, result in enumerate(run_on_ranks(pipeline_worker, 2, cases, tp=2, timeout=900)):
@@ -247,14 +243,13 @@ def halves_worker(cases: list[str]) -> dict:
                    "plain": run_case(GPTConfig(**HALVES_CASES[case]), st.tp_group)} for case in cases}
 
 
+@pytest.mark.needs_torch_compile
 def test_halves_is_the_plain_layer_split_by_batch_and_compiles_to_its_eager_sums(monkeypatch):
     """--tp-comm-overlap halves runs each layer on the two halves of the micro batch. Without dropout that is the
     plain layer's sums; with hidden and attention dropout (the core eager between two graphs, on the rank's own
     stream) each half draws its own masks, so the compiled layer is compared with halves run eagerly (the flag's
     eager twin), and must differ from the plain layer (else the masks were not drawn per half and the test shows
     nothing)."""
-    if compile_problem() is not None:  # torch 2.1: --torch-compile is refused outright
-        pytest.skip(compile_problem())
     monkeypatch.delenv("MDS_TP_COLLECTIVES", raising=False)
     cases = list(HALVES_CASES)
     for r, result in enumerate(run_on_ranks(halves_worker, 2, cases, tp=2, timeout=900)):

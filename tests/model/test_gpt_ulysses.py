@@ -124,16 +124,13 @@ def compiled_worker() -> dict:
     return results
 
 
+@pytest.mark.needs_torch_compile
 @pytest.mark.slow
 def test_compiled_ulysses2_puts_the_all_to_alls_in_the_graph_and_gives_the_eager_model():
     """Compiled (inductor on CPU; every layer runs the one layer graph): its generated code holds the two
     all-to-alls of the forward (q, k and v together in, the output back) and the two of the backward, no graph
     break, and the single process's loss and summed gradients (rel 1e-4: fused kernels round differently),
     hidden dropout included (the compiled layers draw the eager masks)."""
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem() is not None:  # torch 2.1: --torch-compile is refused outright (test_arguments)
-        pytest.skip(compile_problem())
     results = run_on_ranks(compiled_worker, SP, sp=SP, timeout=900)
     for case, kw in HIDDEN_DROPOUT.items():
         reference = run_case(GPTConfig(**kw))

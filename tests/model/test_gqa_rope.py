@@ -12,7 +12,7 @@ from megatron_ds.model import attention, gpt
 from megatron_ds.model.attention import CoreAttention, sdpa_takes_gqa
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.gpt import GPTModel, TransformerLayer, apply_rotary, rotary_tables
-from megatron_ds.torch_support import compile_problem, torch_version
+from megatron_ds.torch_support import torch_version
 
 LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
              seq_length=8, hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa", seed=3,
@@ -177,7 +177,7 @@ def test_rotary_tables_are_made_once_and_usable_after_inference_mode():
     close(-sin[..., :2], expected[1][..., :2], "-sin on the first half", rel=1e-6)
 
 
-@pytest.mark.skipif(compile_problem() is not None, reason="torch.compile of the layers needs torch >= 2.5")
+@pytest.mark.needs_torch_compile
 def test_the_compiled_layer_takes_the_tables_as_inputs():
     """The layer's (compiled) forward gets cos and sin as arguments: no cos or sin is computed in its graph."""
     graphs = []

@@ -1,6 +1,6 @@
 """Which collectives parallel/mappings.py calls: torch's functional ones inside a compiled graph (torch 2.11's dynamo
 mis-differentiates the c10d calls there, pytorch#180642), c10d's in eager layers (the functional wrappers cost host
-time per call: eager GPT-2.7B TP=2+SP ran 1.011-1.021x faster on c10d's, bench/RESULTS.md session 25)."""
+time per call: eager GPT-2.7B TP=2+SP ran 1.011-1.021x faster on c10d's, bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_ds.env_settings import SettingError
 from megatron_ds.parallel import mappings, state
 from megatron_ds.parallel.testing import run_on_ranks
-from megatron_ds.torch_support import compile_problem
 
 
 class _OpNamespaces(TorchDispatchMode):
@@ -60,9 +59,8 @@ class _Branch(torch.autograd.Function):
         return grad * (2.0 if mappings._functional() else 3.0)
 
 
+@pytest.mark.needs_torch_compile
 def test_compiled_graphs_take_the_functional_branch_forward_and_backward(monkeypatch):
-    if compile_problem() is not None:  # torch 2.1: nothing compiles, every call is c10d's
-        pytest.skip(compile_problem())
     monkeypatch.setattr(mappings, "_forced", "")
     x = torch.ones(3, requires_grad=True)
     _Branch.apply(x).sum().backward()
@@ -74,11 +72,10 @@ def test_compiled_graphs_take_the_functional_branch_forward_and_backward(monkeyp
     assert torch.equal(x.grad, torch.full((3,), 2.0)), "the compiled backward took the c10d branch"
 
 
+@pytest.mark.needs_torch_compile
 def test_the_forced_kind_is_read_at_the_first_collective_even_inside_a_compiled_graph(monkeypatch):
     """MDS_TP_COLLECTIVES is read at first use, not at import, and kept: the first use may be a compiled layer's
     trace (Ulysses' first all-to-all), which must take it in without a graph break."""
-    if compile_problem() is not None:
-        pytest.skip(compile_problem())
     monkeypatch.setenv("MDS_TP_COLLECTIVES", "inplace")
     monkeypatch.setattr(mappings, "_forced", None)  # as in a fresh process
     x = torch.ones(3, requires_grad=True)

@@ -22,7 +22,6 @@ from megatron_ds.parallel.layers import (
 )
 from megatron_ds.parallel.random import tp_rank_rng
 from megatron_ds.parallel.testing import run_on_ranks
-from megatron_ds.torch_support import compile_problem
 
 TP = 2
 S, B, H_IN, H_OUT, VOCAB = 6, 2, 8, 12, 16
@@ -321,15 +320,14 @@ def test_cross_entropy_chunking_changes_nothing_and_saves_no_fp32_logits(dtype):
     assert (results[0][1].float() - logits.grad).abs().max() <= tol * logits.grad.abs().max() + 1e-6
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["chunks", "compiled"])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.needs_torch_compile)],
+                         ids=["chunks", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_overwriting_the_logits_gives_the_same_gradient_in_their_memory(dtype, fused, monkeypatch):
     """overwrite_logits (the model's own loss): the same loss and gradient bit for bit, in the logits' own
     memory (no second buffer of their size: the compiled kernel stores in place, the chunks write over
     theirs); a second backward through the graph is refused by autograd instead of reading overwritten
     values; leaf logits (the caller's values) are refused."""
-    if fused and compile_problem() is not None:
-        pytest.skip(compile_problem())
     monkeypatch.setattr(cross_entropy, "_compile_failed", False)
     d = inputs()
     runs = {}
@@ -352,11 +350,10 @@ def test_overwriting_the_logits_gives_the_same_gradient_in_their_memory(dtype, f
         vocab_parallel_cross_entropy(d["logits"].requires_grad_(), d["labels"], overwrite_logits=True)
 
 
+@pytest.mark.needs_torch_compile
 def test_the_compiled_overwriting_kernel_allocates_nothing():
     """Inductor turns the copy_ back into the logits into stores inside the one kernel: its generated code
     allocates no buffer (a temporary of the logits' size is what overwrite_logits is there to save)."""
-    if compile_problem() is not None:
-        pytest.skip(compile_problem())
     from torch._inductor.utils import run_and_get_code
 
     d = inputs()

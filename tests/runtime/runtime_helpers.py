@@ -74,6 +74,14 @@ def free_port() -> int:
 
 
 class Slurm:
+    """A one-node cluster in `root`. `enter` prefixes every daemon and command (Slurm24: another root's Slurm)."""
+
+    name = "mdstest"
+    enter: list[str] = []
+    # A job's ranks take MASTER_PORT from its job id: clusters running side by side (two pytest-xdist workers) number
+    # their jobs from different bases, so their jobs' ports differ.
+    first_job_id = 1
+
     def __init__(self, root: Path):
         self.root = root
         self.conf = root / "slurm.conf"
@@ -82,6 +90,11 @@ class Slurm:
 
     def env(self, **extra: str) -> dict[str, str]:
         return clean_env(SLURM_CONF=str(self.conf), **extra)
+
+    def run(self, argv: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        """A Slurm command (srun, sbatch, scontrol...) against this cluster; `env` extends the cluster's."""
+        env = self.env(**kw.pop("env", {}))
+        return subprocess.run([*self.enter, *argv], env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
     def logs(self) -> str:
         text = []
@@ -93,11 +106,13 @@ class Slurm:
 
     def _start(self, argv: list[str]) -> None:
         out = open(self.root / "daemons.out", "ab")
-        self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        # in the cluster's directory: whatever a daemon leaves in its working directory (a core file) stays there
+        self.procs.append(subprocess.Popen([*self.enter, *argv], env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                           cwd=self.root, start_new_session=True))
 
     def start(self) -> None:
         for tool in ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo"):
-            if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
+            if not self.enter and not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
                 pytest.fail(f"{tool} not found: install slurm-wlm and munge (`make test` does, as root)")
         if os.geteuid() != 0:
             pytest.fail("the local Slurm needs root (slurmd runs as root): run the tests as root (CI does)")
@@ -106,13 +121,13 @@ class Slurm:
         (r / "state").mkdir()
         (r / "spool").mkdir()
         key = r / "munge.key"
-        subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
+        subprocess.run([*self.enter, "mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
         sock = r / "munge.sock"
         self._start(["munged", "-F", "--force", f"--socket={sock}", f"--key-file={key}", f"--log-file={r}/munged.log",
                      f"--pid-file={r}/munged.pid", f"--seed-file={r}/munged.seed"])
         cpus = max(4, os.cpu_count() or 1)
         self.conf.write_text("\n".join([
-            "ClusterName=mdstest", f"SlurmctldHost={self.hostname}(127.0.0.1)",
+            f"ClusterName={self.name}", f"FirstJobId={self.first_job_id}", f"SlurmctldHost={self.hostname}(127.0.0.1)",
             f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "AuthType=auth/munge", f"AuthInfo=socket={sock}", "CredType=cred/munge",
             "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool",
@@ -133,7 +148,7 @@ class Slurm:
         deadline = time.monotonic() + 60
         state = ""
         while time.monotonic() < deadline:
-            result = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), capture_output=True, text=True)
+            result = self.run(["sinfo", "-h", "-o", "%T"])
             state = result.stdout.strip()
             if state in ("idle", "mixed", "allocated"):
                 return
@@ -154,3 +169,48 @@ class Slurm:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+
+
+REPO = HERE.parents[1]
+SLURM24_ROOT = REPO / ".cache" / "slurm24-root"
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # the image's PATH, and the root's
+
+
+def write_oci_conf(cluster: Slurm) -> None:
+    """oci.conf beside slurm.conf (Slurm reads it at each step): run the bundle with runc, its state in the cluster's
+    directory. %n.%u.%j.%s.%t names one container per node, user, job, step and task."""
+    runc = f"runc --root={cluster.root}/runc"
+    name = "%n.%u.%j.%s.%t"
+    (cluster.root / "oci.conf").write_text("\n".join([
+        f'RunTimeQuery="{runc} state {name}"', f'RunTimeKill="{runc} kill -a {name}"',
+        f'RunTimeDelete="{runc} delete --force {name}"', f'RunTimeRun="{runc} run {name} -b %b"', ""]))
+
+
+class Slurm24(Slurm):
+    """Slurm 24.11 from a Debian trixie root (scripts/setup-slurm24-root.sh: built once, cached in .cache/), every
+    daemon and command entered with scripts/slurm24-enter.sh, with an oci.conf running runc: `srun -n 2
+    --container=BUNDLE` runs two tasks in one container step, each with its task variables. `binds` are the host
+    directories seen inside (the bundle, the jobs' work directories), at their own paths."""
+
+    name = "mds24"
+    first_job_id = 5000
+
+    def __init__(self, root: Path, binds: list[Path]):
+        super().__init__(root)
+        self.enter = ["bash", str(REPO / "scripts" / "slurm24-enter.sh"), str(SLURM24_ROOT), str(root),
+                      *map(str, binds), "--"]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        # Slurm hands srun's environment to the container: the image's PATH, nothing of the host's venv
+        return {"PATH": IMAGE_PATH, "HOME": "/root", "LANG": "C.UTF-8", "SLURM_CONF": str(self.conf), **extra}
+
+    def start(self) -> None:
+        built = subprocess.run(["bash", str(REPO / "scripts" / "setup-slurm24-root.sh"), str(SLURM24_ROOT)],
+                               capture_output=True, text=True, timeout=1200)
+        if built.returncode != 0:
+            pytest.fail(f"the Slurm 24.11 root could not be built (scripts/setup-slurm24-root.sh):\n"
+                        f"{built.stdout[-3000:]}{built.stderr[-3000:]}")
+        if os.geteuid() != 0:
+            pytest.fail("the Slurm 24.11 cluster needs root (pivot_root, slurmd): run the tests as root (CI does)")
+        write_oci_conf(self)
+        super().start()

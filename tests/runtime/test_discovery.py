@@ -120,3 +120,64 @@ def test_inconsistent_variables_are_named(env, names):
         discover(env)
     for name in names:
         assert name in str(err.value)
+
+
+# What a task sees in Slurm 22.05's OCI container steps (srun --container, read from a real bookworm Slurm): srun
+# outside a batch script hands the container the step's variables but no SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID;
+# inside a batch script the container gets the batch shell's variables (SLURM_PROCID=0 and SLURM_LOCALID=0 among
+# them, SLURM_TASK_PID naming the batch shell) and nothing of its step.
+def _step_without_task_variables(nodes: str, tasks: int, nnodes: int) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "41", "SLURM_JOBID": "41", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
+            "SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_STEP_NUM_NODES": str(nnodes),
+            "SLURM_STEP_NODELIST": nodes, "SLURM_JOB_NODELIST": nodes, "SLURM_STEP_TASKS_PER_NODE": "1",
+            "SLURM_CONTAINER": "/shared/mds-bundle"}
+
+
+def _batch_shell_variables(nodes: str, nnodes: int, task_pid: int) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "42", "SLURM_JOBID": "42", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_GTIDS": "0",
+            "SLURM_NODELIST": nodes, "SLURM_JOB_NODELIST": nodes, "SLURM_NNODES": str(nnodes),
+            "SLURM_JOB_NUM_NODES": str(nnodes), "SLURM_TASK_PID": str(task_pid), "ENVIRONMENT": "BATCH",
+            "SLURMD_NODENAME": nodes.split(",")[0]}
+
+
+def _pid_not_an_ancestor() -> int:
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid  # a finished child: never this process's ancestor
+
+
+def test_container_step_without_task_variables_is_placed_from_its_node_list():
+    """One task per node (22.05's container steps always run so): the rank is this host's place in the step's node
+    list, the world the step's task count."""
+    info = discover(_step_without_task_variables(f"a0,{HOST},b7", 3, 3))
+    assert (info.source, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("slurm", 1, 3, 0, 1)
+    assert (info.node_rank, info.num_nodes, info.master_addr) == (1, 3, "a0")
+    one = discover(_step_without_task_variables(HOST, 1, 1))
+    assert (one.rank, one.world_size, one.num_nodes, one.master_port) == (0, 1, 1, job_port("41"))
+
+
+def test_container_step_in_a_one_node_batch_job_is_rank_0_of_1():
+    info = discover(_batch_shell_variables(HOST, 1, _pid_not_an_ancestor()))
+    assert (info.source, info.rank, info.world_size, info.num_nodes) == ("slurm", 0, 1, 1)
+
+
+def test_the_batch_script_itself_is_no_step():
+    import os
+
+    assert discover(_batch_shell_variables("a[0-1]", 2, os.getppid())).source == "none"  # our parent: the shell
+
+
+@pytest.mark.parametrize("env, names", [
+    (lambda: _step_without_task_variables(HOST, 2, 1), ["SLURM_PROCID", "22.05", "SLURM_STEP_NUM_TASKS=2", "apptainer",
+                                                         "--ntasks-per-node=1"]),
+    (lambda: _step_without_task_variables("a0,b7", 2, 2), [f"this host ({HOST})", "SLURM_STEP_NODELIST='a0,b7'",
+                                                            "RANK, WORLD_SIZE, LOCAL_RANK"]),
+    (lambda: _batch_shell_variables("a[0-1]", 2, _pid_not_an_ancestor()), ["SLURM_STEP_ID", "2 nodes", "24.11"]),
+], ids=["two tasks on one node", "host not in the node list", "batch job on two nodes"])
+def test_container_step_that_cannot_be_placed_is_an_error_naming_the_limit(env, names):
+    with pytest.raises(DiscoveryError) as err:
+        discover(env())
+    for name in names:
+        assert name in str(err.value)

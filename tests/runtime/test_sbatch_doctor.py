@@ -11,6 +11,7 @@ from runtime_helpers import ENTRYPOINT, clean_env
 VARIANTS = [
     ("pyxis", ["--runtime", "pyxis", "--image", "nvcr.io#org/mds:24.05", "--mount", "/data:/data"]),
     ("apptainer", ["--runtime", "apptainer", "--image", "mds.sif", "--account", "proj", "--partition", "gpu"]),
+    ("oci", ["--runtime", "oci", "--image", "/shared/mds bundle"]),
     ("none", ["--runtime", "none"]),
     ("lumi", ["--runtime", "apptainer", "--image", "mds-rocm.sif", "--profile", "lumi", "--partition", "standard-g"]),
     ("pbs polaris", ["--scheduler", "pbs", "--runtime", "apptainer", "--image", "mds.sif", "--profile", "polaris",
@@ -45,17 +46,30 @@ def test_script_contents(tmp_path):
     assert "#SBATCH --ntasks-per-node=8" in pyxis and "#SBATCH --gpus-per-node=8" in pyxis
     for word in ("--container-image=", "--container-mounts=", "--no-container-mount-home", "--kill-on-bad-exit=1"):
         assert word in pyxis
-    lumi = _generate(tmp_path, "lumi", VARIANTS[3][1]).read_text()
+    lumi = _generate(tmp_path, "lumi", VARIANTS[4][1]).read_text()
     assert "--cpu-bind=mask_cpu:" in lumi and "0xfe000000000000,0xfe00000000000000" in lumi
     assert "--rocm" in lumi and '-B "/opt/cray"' in lumi and "export MDS_PROFILE=lumi" in lumi
-    pbs = _generate(tmp_path, "pbs", VARIANTS[4][1]).read_text()
+    pbs = _generate(tmp_path, "pbs", VARIANTS[5][1]).read_text()
     assert "#PBS -l select=2" in pbs and "--ppn" in pbs and "mpiexec" in pbs and "--nv" in pbs
 
 
-def test_sbatch_usage_errors_exit_2():
-    result = subprocess.run([ENTRYPOINT, "sbatch", "--nodes", "1", "--gpus-per-node", "1", "--runtime", "pyxis",
-                             "--", "train"], env=clean_env(), capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--image" in result.stderr
+    oci = _generate(tmp_path, "oci", VARIANTS[2][1]).read_text()
+    assert "--container='/shared/mds bundle'" in oci and "scripts/oci-bundle IMAGE BUNDLE" in oci
+    assert "--container-image" not in oci and "CONTAINER_CMD" not in oci
+    assert 'sh -c \'cd "$0" && exec "$@"\' "${WORKDIR}"' in oci  # the ranks start in the submit directory
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--runtime", "pyxis"], ["--runtime pyxis needs --image"]),
+    (["--runtime", "oci"], ["--runtime oci needs --image", "OCI bundle directory", "scripts/oci-bundle"]),
+    (["--runtime", "oci", "--image", "b", "--mount", "/data"], ["--mount with --runtime oci", "config.json"]),
+], ids=["pyxis without image", "oci without bundle", "oci with --mount"])
+def test_sbatch_usage_errors_exit_2(flags, names):
+    result = subprocess.run([ENTRYPOINT, "sbatch", "--nodes", "1", "--gpus-per-node", "1", *flags, "--", "train"],
+                            env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    for name in names:
+        assert name in result.stderr
 
 
 def _doctor(*flags, **env):
@@ -107,3 +121,27 @@ def test_doctor_strict_fails_on_the_wrong_platform_and_a_broken_manifest(tmp_pat
     if not report["gpus"]:
         assert checks["flash_attn"]["state"] == "unverified" and "flash_attn" not in report["failures"]
     assert checks["apex"]["state"] == "BROKEN" and "undefined symbol" in checks["apex"]["detail"]
+
+
+def test_oci_bundle_config_shares_the_hosts_network_and_binds_each_dir(tmp_path):
+    """scripts/oci-bundle's config.json (the bundle `--runtime oci` runs): ranks on the host's network and host name,
+    the devices of the host, each DIR at its own path; a DIR that does not exist exits 2 naming it."""
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "oci-bundle"
+    loader = importlib.machinery.SourceFileLoader("oci_bundle", str(script))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("oci_bundle", loader))
+    loader.exec_module(module)
+    spec = module.config(["PATH=/usr/bin"], "/workspace", ["/shared/data", "/shared/ckpt"])
+    assert {n["type"] for n in spec["linux"]["namespaces"]} == {"pid", "ipc", "mount"}  # no network, no uts
+    assert "hostname" not in spec and spec["process"]["terminal"] is False
+    assert spec["process"]["env"] == ["PATH=/usr/bin"] and spec["process"]["cwd"] == "/workspace"
+    binds = {m["destination"]: m for m in spec["mounts"] if m["type"] == "bind"}
+    for path in ("/shared/data", "/shared/ckpt", "/etc/hosts", "/etc/resolv.conf", "/dev"):
+        assert binds[path]["source"] == path, path
+    assert "rw" in binds["/shared/data"]["options"] and "ro" in binds["/etc/hosts"]["options"]
+    missing = subprocess.run([str(script), "mds:latest", str(tmp_path / "b"), str(tmp_path / "nowhere")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and f"{tmp_path / 'nowhere'} is not a directory" in missing.stderr

@@ -94,5 +94,7 @@ def test_sbatch_generated_script_trains_two_ranks(slurm, tmp_path, demo_corpus):
     state = _wait_for_job(slurm, submit.stdout.strip().split(";")[0], timeout=280)
     logs = "".join(p.read_text() for p in tmp_path.glob("mds-*.out"))
     assert state.startswith("COMPLETED") and "ExitCode=0:0" in state, state + logs + slurm.logs()
-    iterations = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines() if "lm_loss" in line]
-    assert iterations == [1, 2, 3], logs
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if "lm_loss" in line]
+    assert [r["iteration"] for r in records] == [1, 2, 3], logs
+    for r in records:  # the job's output holds the training's loss lines
+        assert f"iteration {r['iteration']:8d}/       3" in logs and f"lm loss: {r['lm_loss']:.6E}" in logs, logs

@@ -50,6 +50,7 @@ def test_restart_policy_gives_up_on_a_loop_and_when_restarts_are_used():
     assert not RestartPolicy(0).should_restart(Failure(1, 0, 3), stopped_from_outside=False)
     assert not RestartPolicy(3).should_restart(Failure(2, 0, None), stopped_from_outside=False)  # config error
     assert not RestartPolicy(3).should_restart(Failure(NONFINITE_EXIT, 0, 12), stopped_from_outside=False)
+    assert not RestartPolicy(3).should_restart(Failure(74, 0, 30), stopped_from_outside=False)  # disk refused a save
     assert not RestartPolicy(3).should_restart(Failure(143, 0, 9), stopped_from_outside=True)
     one = RestartPolicy(1)
     assert one.should_restart(Failure(1, 0, 3), False) and not one.should_restart(Failure(1, 0, 9), False)

@@ -119,8 +119,10 @@ def test_flag_combinations_end_in_settings_or_one_line(files):  # noqa: F811
     assert outcomes.get("ok", 0) >= 100 and len(outcomes) >= 50, sorted(outcomes.items(), key=lambda kv: -kv[1])
 
 
-def test_drawn_combinations_through_the_command(files):  # noqa: F811
-    """A few of them through `entrypoint train --dry-run` itself: exit 0 or 2, stderr one line, no traceback."""
+def test_drawn_combinations_through_the_command(demo_corpus, tmp_path):
+    """A few of them through `entrypoint train --dry-run` itself (a real corpus: the command reads its token ids):
+    exit 0 or 2, stderr one line, no traceback."""
+    files = dict(prefix=demo_corpus.prefix, vocab=demo_corpus.vocab_file, merges=demo_corpus.merge_file, dir=tmp_path)
     rng, actions = random.Random(7), parser_actions()
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}}
     codes = set()

@@ -1,6 +1,7 @@
 """Flags, presets, ALCF env and every validation rule: fast, in-process, no process group."""
 
 import json
+import os
 
 import pytest
 
@@ -79,6 +80,22 @@ def test_each_rule_has_its_message(files, extra, world, flag, text):
     check(files, extra, world, flag, text)
 
 
+@pytest.mark.parametrize("variable", ["APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"])
+def test_missing_data_inside_a_container_says_to_bind_it(files, monkeypatch, variable):
+    """In a SIF the usual cause is a host folder not bound in: the path is named as the container sees it."""
+    missing = ["--data-path", "/data/corpus/text_document"]
+    monkeypatch.delenv("APPTAINER_CONTAINER", raising=False)
+    monkeypatch.delenv("SINGULARITY_CONTAINER", raising=False)
+    if not os.path.isdir("/.singularity.d"):  # outside any container: no hint
+        with pytest.raises(ConfigError) as err:
+            validate(parse_args(base(files, *missing), env={}), 1)
+        assert "container" not in str(err.value)
+    monkeypatch.setenv(variable, "/images/mds.sif")
+    check(files, missing, 1, "--data-path", "file not found: /data/corpus/text_document.bin (as seen inside the "
+          "container: /data/corpus is not visible in it; bind the host folder that holds the data with "
+          "`-B HOST_DIR:/data/corpus`)")
+
+
 def test_required_flags_name_themselves(files):
     for flag in ("--num-layers", "--micro-batch-size", "--train-iters", "--lr", "--data-path"):
         argv = base(files)
@@ -150,6 +167,46 @@ def test_alcf_environment_with_flags_winning(files):
     with pytest.raises(ConfigError) as err:
         parse_args(argv, env=dict(env, MICRO_BATCH="two"))
     assert err.value.flag == "MICRO_BATCH"
+
+
+ALCF_SEED = {"MODEL_SIZE_KEY": "GPT25B", "SEQ_LEN": "4096", "USE_FLASH_ATTN_V2": "1", "MICRO_BATCH": "1", "GAS": "1",
+             "SP_TYPE": "megatron", "ZERO_STAGE": "1"}
+
+
+def test_alcf_variables_set_what_alcfs_scripts_set(files):
+    """SEQ_LEN is the sequence and the positions, the attention switches map onto ours, and ALCF's fixed values
+    are the defaults while its variables are set, each named in a notice; a flag still wins."""
+    argv = ["--data-path", files["prefix"], "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    args = parse_args(argv, env=ALCF_SEED)
+    assert (args.seq_length, args.max_position_embeddings, args.attention_backend) == (4096, 4096, "flash2")
+    assert (args.lr, args.min_lr, args.lr_decay_style, args.weight_decay, args.clip_grad) == \
+        (0.00015, 1e-5, "cosine", 0.01, 1.0)
+    assert (args.lr_warmup_fraction, args.train_iters, args.split, args.bf16) == (0.01, 10, "949,50,1", True)
+    assert any("--max-position-embeddings 4096 (SEQ_LEN)" in n and "gradient accumulation 1 (GAS)" in n
+               for n in args.notices), args.notices
+    assert any(n.startswith("note: ALCF's defaults") and "--lr 0.00015" in n and "--split 949,50,1" in n
+               for n in args.notices), args.notices
+    mine = parse_args([*argv, "--lr", "3e-4", "--split", "98,2,0", "--seq-length", "1024"],
+                      env=dict(ALCF_SEED, TRAIN_ITER="20"))
+    assert (mine.lr, mine.split, mine.seq_length, mine.train_iters, mine.min_lr) == (3e-4, "98,2,0", 1024, 20, 1e-5)
+    assert not any("--lr 0.00015" in n for n in mine.notices)
+    warmup = parse_args([*argv, "--lr-warmup-iters", "2", "--train-samples", "40"], env=ALCF_SEED)
+    assert (warmup.lr_warmup_fraction, warmup.train_iters, warmup.lr_warmup_iters) == (None, None, 2)
+    plain = parse_args(argv, env={})
+    assert (plain.lr, plain.train_iters, plain.split, plain.lr_decay_style) == (None, None, "969, 30, 1", "linear")
+    assert not any("ALCF" in n for n in plain.notices)
+    for var, flag in [("USE_FLASH_ATTN_V1", "--use-flash-attn-v1"),
+                      ("USE_FLASH_ATTN_TRITON", "--use-flash-attn-triton")]:
+        other = parse_args(argv, env={var: "1"})
+        assert other.attention_backend == "auto" and any(f"warning: {flag}" in n for n in other.notices), var
+
+
+def test_a_dry_run_needs_no_schedule_data_or_tokenizer():
+    args = parse_args(["--preset", "GPT1_3B", "--micro-batch-size", "4", "--dry-run"], env={})
+    settings = validate(args, 4)
+    assert settings.layout.micro_batch_size == 4
+    with pytest.raises(ConfigError, match="--lr"):
+        validate(parse_args(["--preset", "GPT1_3B", "--micro-batch-size", "4"], env={}), 4)
 
 
 def test_flash_attention_switches_map_to_backend(files):

@@ -18,12 +18,14 @@ ENTRYPOINT = os.path.join(os.path.dirname(os.sys.executable), "entrypoint")
 
 # (record in bench/results, or bundle/run, Ulysses SP): torch's allocator peak of real runs, one per layout kind;
 # the GPT-13B runs on 4 x H200 give the fullest rank's peak (mem_gib_max), the older ones the logging rank's
-MEASURED = [("gpt1_3b_s2048_mbs16_z1_default_flags_s26", 1), ("dp2_s26/gpt1_3b_s2048_mbs16_z1_dp2_default_s26_1", 1),
-            ("gpt1_3b_s2048_mbs16_gbs128_z1_pp2_s26", 1), ("gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default_s20", 1),
-            ("gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_wgrad_0007_s16", 1),
-            ("gpt1_3b_s32768_mbs1_gbs4_z1_ulysses2_default_s24", 2), ("gpt1_3b_s8192_ulysses2_qkv1_compiled_s24", 2),
-            ("whole_node_s28/a_gpt13b_gbs64_dp4_cold", 1), ("whole_node_s28/a_gpt13b_gbs64_pp4_cold", 1),
-            ("whole_node_s28/a_gpt13b_gbs64_tp2_sp_pp2_cold", 1), ("whole_node_s28/a_gpt13b_gbs64_tp4_sp_cold", 1)]
+MEASURED = [("gpt1_3b_s2048_mbs16_z1_default_flags", 1),
+            ("dp2_gpt1_3b_mbs16/gpt1_3b_s2048_mbs16_z1_dp2_default_s26_1", 1),
+            ("gpt1_3b_s2048_mbs16_gbs128_z1_pp2", 1), ("gpt2_7b_s2048_mbs16_gbs32_z1_tp2_sp_default", 1),
+            ("gpt6_7b_s2048_mbs4_gbs16_z1_tp2_sp_wgrad_0007", 1),
+            ("gpt1_3b_s32768_mbs1_gbs4_z1_ulysses2_default", 2), ("gpt1_3b_s8192_ulysses2_qkv1_compiled", 2),
+            ("whole_node_gpt13b/a_gpt13b_gbs64_dp4_cold", 1), ("whole_node_gpt13b/a_gpt13b_gbs64_pp4_cold", 1),
+            ("whole_node_gpt13b/a_gpt13b_gbs64_tp2_sp_pp2_cold", 1),
+            ("whole_node_gpt13b/a_gpt13b_gbs64_tp4_sp_cold", 1)]
 
 
 def _from_record(name: str, ulysses: int) -> tuple[GPTConfig, Layout, float]:
@@ -56,7 +58,7 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(name, ulysses):
 
 # records (or bundle/run paths) of runs whose shape the record's config does not hold (dropout, GQA, SwiGLU): their
 # peaks against the estimate from the `entrypoint train` flags bench_train.py ran, through the parser, as --dry-run
-MEASURED_FROM_FLAGS = ["gpt1_3b_s2048_mbs16_gbs128_z1_nodrop_s25_1", "peers_one_gpu/qkv_ab_s32/qkv_llama_new_1"]
+MEASURED_FROM_FLAGS = ["gpt1_3b_s2048_mbs16_gbs128_z1_nodrop_1", "peers_one_gpu/qkv_ab_s32/qkv_llama_new_1"]
 
 
 @pytest.mark.parametrize("name", MEASURED_FROM_FLAGS)
@@ -126,6 +128,22 @@ def test_alcf_gpt25b_on_four_h200s_is_refused_before_any_gpu_work(tmp_path, demo
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "layout TP 4 x PP 1 x DP 1, ZeRO-1" in dry.stdout and "estimated GPU memory: " in dry.stdout
     assert "nothing started (--dry-run)" in dry.stdout and "spawning" not in dry.stderr
+
+
+def test_the_seeds_alcf_line_dry_runs_to_the_estimate_and_a_layout_that_fits(tmp_path):
+    """The seed's ALCF launch line as it is (no schedule, data or tokenizer flags): ALCF's values fill the rest and
+    the dry run refuses DP=4 with the memory it needs and a layout that fits 4 pretend H200s."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(_fake_nvidia_smi(tmp_path, 143771), MODEL_SIZE_KEY="GPT25B", SEQ_LEN="4096", USE_FLASH_ATTN_V2="1",
+               MICRO_BATCH="1", GAS="1", SP_TYPE="megatron", ZERO_STAGE="1", CUDA_VISIBLE_DEVICES="0,1,2,3")
+    result = subprocess.run([ENTRYPOINT, "train", "--dry-run", "--nproc-per-node", "4"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "from ALCF's variables: --seq-length 4096 (SEQ_LEN), --max-position-embeddings 4096 (SEQ_LEN)" \
+        in result.stderr
+    assert "ALCF's defaults (ALCF variables are set; a flag wins): --lr 0.00015" in result.stderr
+    assert "this run needs about 242.6 GiB per GPU" in result.stderr and "a layout that fits: --" in result.stderr
+    assert "exceeds --max-position-embeddings" not in result.stderr and "spawning" not in result.stderr
 
 
 def test_fp8_and_offloaded_runs_are_estimated_but_not_refused(demo_corpus):

@@ -160,14 +160,11 @@ def test_save_and_resume_at_the_same_layout_is_bitwise(tmp_path_factory, demo_co
         assert "Mixture-of-Experts checkpoint (--num-experts 4)" in result.stderr, result.stderr
 
 
+@pytest.mark.needs_torch_compile
 def test_compiled_moe_trains_the_eager_losses(tmp_path_factory, demo_corpus):
     """--torch-compile with MoE: layer 1 (dense) compiles whole, layer 2's attention block compiles as its own
     graph and its MoE block runs eager (DeepSpeed's gate reads the capacity on the host). Expert parallel 2 over
     two ranks, top-2, token dropping on: the eager run's losses within 1e-4 (fused kernels round differently)."""
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem():  # torch 2.1 (make test-torch21): --torch-compile is refused at validation
-        pytest.skip(compile_problem())
     layout = ["--num-experts", "4", "--expert-interval", "2", "--topk", "2", "--moe-expert-parallel-size", "2",
               "--disable-moe-top2-2nd-expert-sampling", "--moe-loss-coeff", "0.01"]
     eager = run_train(tmp_path_factory, demo_corpus, "moe_eager", GPT, layout, nproc=2)

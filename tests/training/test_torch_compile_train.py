@@ -61,11 +61,8 @@ def test_cpu_default_is_eager(eager):
     assert "torch.compile is off" not in eager["stderr"]  # no notice: eager is simply the CPU default
 
 
+@pytest.mark.needs_torch_compile
 def test_compiled_run_prints_its_compile_time_and_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem():  # torch 2.1 (make test-torch21): the flag is refused at validation (test_arguments)
-        pytest.skip(compile_problem())
     run = compiled_run(tmp_path_factory, demo_corpus, "compiled")
     assert "torch.compile on, device cpu" in run["stdout"]
     lines = [line for line in run["stdout"].splitlines() if "mds train: torch.compile at start-up: " in line]
@@ -80,14 +77,11 @@ def test_compiled_run_prints_its_compile_time_and_trains_the_eager_model(tmp_pat
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
 
 
+@pytest.mark.needs_torch_compile
 def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
     """ZeRO-3 on two gloo ranks, compiled, as mds compiles it: each layer gathered whole and torch's own linear
     (DeepSpeed's memory_efficient_linear Function, traced by dynamo, lost the norm, QKV and FC1 gradients on
     CUDA; training/ds_config.py); the same global batch as the one-rank eager run."""
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem():  # torch 2.1: as above
-        pytest.skip(compile_problem())
     run = compiled_run(tmp_path_factory, demo_corpus, "compiled_zero3", extra=["--zero-stage", "3"], nproc=2)
     assert "torch.compile on" in run["stdout"] and "DP 2, ZeRO-3" in run["stdout"], run["stdout"][-2000:]
     assert "WARNING" not in run["stderr"], run["stderr"][-3000:]
@@ -98,15 +92,12 @@ def test_compiled_zero3_trains_the_eager_model(tmp_path_factory, demo_corpus, ea
 @pytest.mark.parametrize("flags, mode", [([], "reorder"), (["--tp-comm-overlap", "chunked"], "chunked"),
                                          (["--tp-comm-overlap", "wgrad"], "wgrad")],
                          ids=["default", "chunked", "wgrad"])
+@pytest.mark.needs_torch_compile
 def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_factory, demo_corpus, eager, flags, mode):
     """Compiled TP=2 with sequence parallelism on two gloo ranks: with no overlap flag (reorder is the default
     there), with chunked and with wgrad. The start-up line names the mode and the losses are the one-rank eager ones
     (the schedule moves, the sums do not; tests/model has the moved waits themselves, test_arguments the flag's
     spellings)."""
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem():  # torch 2.1: as above
-        pytest.skip(compile_problem())
     run = compiled_run(tmp_path_factory, demo_corpus, f"compiled_tp2_overlap_{mode}", nproc=2,
                        extra=["--tensor-model-parallel-size", "2", "--sequence-parallel", *flags])
     assert f"torch.compile on (TP comm overlap: {mode})" in run["stdout"], run["stdout"][-2000:]
@@ -115,13 +106,10 @@ def test_compiled_tp2_sp_with_comm_overlap_trains_the_eager_model(tmp_path_facto
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
 
 
+@pytest.mark.needs_torch_compile
 def test_compiled_ulysses2_trains_the_eager_model(tmp_path_factory, demo_corpus, eager):
     """DeepSpeed-Ulysses on two gloo ranks, compiled: the all-to-all pair (torch's functional all_to_all_single)
     sits inside the compiled layer graph, and the losses are the one-rank eager ones."""
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem():  # torch 2.1: as above
-        pytest.skip(compile_problem())
     run = compiled_run(tmp_path_factory, demo_corpus, "compiled_ulysses2", nproc=2,
                        extra=["--ds-sequence-parallel-size", "2"])
     assert "x SP 2 (Ulysses)" in run["stdout"] and "torch.compile on" in run["stdout"], run["stdout"][-2000:]
@@ -130,15 +118,12 @@ def test_compiled_ulysses2_trains_the_eager_model(tmp_path_factory, demo_corpus,
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
 
 
+@pytest.mark.needs_torch_compile
 def test_compiled_pp2_compiles_both_stages_before_the_first_step_and_trains_the_eager_model(tmp_path_factory,
                                                                                             demo_corpus, eager):
     """PP=2 on two gloo ranks, compiled: each stage compiles its layer graph before the first step, side by side
     (training/warmup.py; on 4 x H200 a cold GPT-13B PP=4 first step took 61 s with the stages compiling in turn),
     and the losses are the one-rank eager ones: the warm-up changes no random stream and keeps no gradient."""
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem():  # torch 2.1: as above
-        pytest.skip(compile_problem())
     run = compiled_run(tmp_path_factory, demo_corpus, "compiled_pp2", nproc=2,
                        extra=["--pipeline-model-parallel-size", "2"])
     assert "PP 2" in run["stdout"] and "torch.compile on" in run["stdout"], run["stdout"][-2000:]
@@ -148,11 +133,8 @@ def test_compiled_pp2_compiles_both_stages_before_the_first_step_and_trains_the_
         assert abs(a - b) <= 1e-4 * abs(b), (losses(run), losses(eager))
 
 
+@pytest.mark.needs_torch_compile
 def test_compile_failure_falls_back_to_eager_with_one_warning(tmp_path_factory, demo_corpus, eager, tmp_path):
-    from megatron_ds.torch_support import compile_problem
-
-    if compile_problem():  # torch 2.1: as above
-        pytest.skip(compile_problem())
     bad = tmp_path / "bin"
     bad.mkdir()
     (bad / "g++").write_text("#!/bin/sh\necho 'g++: broken on purpose (mds test)' >&2\nexit 1\n")

@@ -332,6 +332,12 @@ FLAGS: list[tuple[tuple[str, str | None], list[tuple[tuple[str, ...], dict]]]] =
         flag("--no-save-rng", action="store_true"),
         flag("--finetune", action="store_true", help="load weights only; iteration restarts at 0"),
         flag("--keep-last-n-checkpoints", type=int),
+        flag("--ckpt-step", type=int, metavar="N", help="load iteration N of --load, not the one `latest` names"),
+        flag("--no-ckpt-fallback", action="store_true",
+             help="when `latest` names a partial or corrupt checkpoint (or nothing), exit 2 naming the newest "
+                  "complete one instead of resuming from it with a warning"),
+        flag("--async-save", action="store_true",
+             help="copy each checkpoint to host memory and write it in the background while training goes on"),
     ]),
     (("logging and evaluation", None), [
         flag("--log-interval", type=int, default=100),

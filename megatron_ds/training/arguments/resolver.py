@@ -148,7 +148,7 @@ def lr(view: Resolver) -> float:
     params = (_file(view).get("optimizer") or {}).get("params") or {}
     if value is None and "lr" in params:
         value = float(params["lr"])
-    if value is None:
+    if value is None and not view.dry_run:  # a dry run estimates the memory of a layout: no schedule needed
         raise ConfigError("--lr", "is required (or an optimizer section with params.lr in --deepspeed_config)")
     return value
 
@@ -203,6 +203,8 @@ def train_iters(view: Resolver) -> int:
         if iters <= 0:
             raise ConfigError("--train-samples", f"{samples} is less than one global batch "
                               f"({view.global_batch_size})")
+    elif iters is None and view.dry_run:  # a dry run estimates the memory of a layout: no length needed
+        return None
     elif iters is None:
         raise ConfigError("--train-iters", "is required (or --train-samples; a --preset does not set it)")
     positive("--train-iters", iters)

@@ -280,6 +280,8 @@ def _training_length(args: argparse.Namespace) -> None:
 def _schedule(args: argparse.Namespace) -> None:
     from megatron_ds.training.lr_schedule import schedule_for
 
+    if args.dry_run and (args.lr is None or args.train_iters is None):  # checked where given
+        return
     warmups = [flag for flag in ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-tokens")
                if getattr(args, _dest(flag))]
     if args.lr_warmup_fraction is not None:
@@ -310,10 +312,21 @@ def _checkpoints(args: argparse.Namespace) -> None:
         raise ConfigError("--save-interval", f"must be positive (got {args.save_interval})")
     if args.keep_last_n_checkpoints is not None and args.keep_last_n_checkpoints <= 0:
         raise ConfigError("--keep-last-n-checkpoints", "must be positive")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ConfigError("--ckpt-step", f"must be an iteration >= 0 (got {args.ckpt_step})")
+    if args.ckpt_step is not None and not args.load:
+        raise ConfigError("--ckpt-step", "needs --load DIR, the directory whose iter_N it loads")
+    if args.ckpt_step is not None and args.max_restarts:
+        raise ConfigError("--ckpt-step", "with --max-restarts every restart would load that iteration again, "
+                          "losing the checkpoints saved since: resume once with --ckpt-step, then without it")
+    if args.async_save and not args.save:
+        raise ConfigError("--async-save", "needs --save DIR (there is nothing to write without it)")
 
 
 def _data_files(args: argparse.Namespace) -> None:
     """--data-path: one prefix or a weighted list, each PREFIX.bin/.idx present; --split: up to 3 weights."""
+    if args.dry_run and not args.data_path:  # a dry run checks the data where given
+        return
     if not args.data_path:
         raise ConfigError("--data-path", "is required: a Megatron indexed-dataset prefix (PREFIX.bin/PREFIX.idx), "
                           "or a weighted list `0.3 a 0.7 b`")
@@ -332,7 +345,7 @@ def _data_files(args: argparse.Namespace) -> None:
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
-                raise ConfigError("--data-path", f"file not found: {prefix + ext}")
+                raise ConfigError("--data-path", f"file not found: {prefix + ext}{_unbound_hint(prefix + ext)}")
     try:
         parts = [float(x) for x in args.split.replace("/", ",").split(",")]
     except ValueError:
@@ -341,8 +354,25 @@ def _data_files(args: argparse.Namespace) -> None:
         raise ConfigError("--split", f"expected up to 3 non-negative weights with a positive sum (got {args.split!r})")
 
 
+def inside_container() -> bool:
+    """Apptainer/Singularity set these in every container they start (and keep /.singularity.d in the image)."""
+    return any(os.environ.get(name) for name in ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")) \
+        or os.path.isdir("/.singularity.d")
+
+
+def _unbound_hint(path: str) -> str:
+    """Inside a container the usual cause of a missing file is a host folder that was not bound in."""
+    if not inside_container():
+        return ""
+    folder = os.path.dirname(os.path.abspath(path))
+    return (f" (as seen inside the container: {folder} is not visible in it; bind the host folder that holds "
+            f"the data with `-B HOST_DIR:{folder}`)")
+
+
 def _tokenizer_inputs(args: argparse.Namespace) -> None:
     """The flags the --tokenizer-type reads are given and their files exist (data.tokenizers' table)."""
+    if args.dry_run and not args.data_path:  # a dry run checks the data where given
+        return
     from megatron_ds.data.tokenizers import TokenizerError, check_tokenizer_flags
 
     try:
@@ -355,7 +385,7 @@ def _tokenizer_inputs(args: argparse.Namespace) -> None:
 def _environment(args: argparse.Namespace) -> None:
     """What this machine must have for the flags: the attention kernel, a GPU for fp16, tensorboard, wandb, FP8."""
     rules_fp8.fp8_environment(args)
-    if args.attention_backend == "flash2":  # asked explicitly: it must be able to run here
+    if args.attention_backend == "flash2" and not args.dry_run:  # asked explicitly: it must be able to run here
         from megatron_ds.model.attention import resolve_backend
         from megatron_ds.precision import precision_from
 

@@ -1,4 +1,5 @@
-"""Where each value comes from: explicit flag > ALCF environment variable > --preset > Megatron's default.
+"""Where each value comes from: explicit flag > ALCF environment variable (and, while one is set, the values ALCF's
+scripts pass themselves) > --preset > Megatron's default. Values taken from ALCF are named in a notice.
 
 A DeepSpeed config file (--deepspeed_config) fills what the flags left open once validation starts;
 rules.py then refuses any disagreement between the two.
@@ -15,9 +16,21 @@ from megatron_ds.training.arguments.flags import ConfigError, build_parser
 from megatron_ds.training.presets import preset
 from megatron_ds.training.settings import FIELDS, Settings, settings_from
 
-# ALCF launch scripts' variables that stand in for a flag the user did not give: (dest, variable).
-ALCF_INTEGERS = [("seq_length", "SEQ_LEN"), ("micro_batch_size", "MICRO_BATCH"), ("zero_stage", "ZERO_STAGE"),
-                 ("pipeline_model_parallel_size", "PPSIZE"), ("tensor_model_parallel_size", "MPSIZE")]
+# ALCF launch scripts' variables that stand in for a flag the user did not give: (dest, variable). SEQ_LEN is
+# both --seq-length and --max-position-embeddings (ALCF/helpers.sh passes it to both); TRAIN_ITER --train-iters.
+ALCF_INTEGERS = [("seq_length", "SEQ_LEN"), ("max_position_embeddings", "SEQ_LEN"), ("micro_batch_size", "MICRO_BATCH"),
+                 ("zero_stage", "ZERO_STAGE"), ("pipeline_model_parallel_size", "PPSIZE"),
+                 ("tensor_model_parallel_size", "MPSIZE"), ("train_iters", "TRAIN_ITER")]
+# ALCF's attention switches: (variable, the Megatron flag ALCF/helpers.sh passes for it, dest). V2 is our flash2
+# backend; V1 and Triton kernels are not in mds: the best available backend runs, with a warning.
+ALCF_ATTENTION = [("USE_FLASH_ATTN_V2", "--use-flash-attn-v2", "use_flash_attn_v2"),
+                  ("USE_FLASH_ATTN_V1", "--use-flash-attn-v1", "use_flash_attn_v1"),
+                  ("USE_FLASH_ATTN_TRITON", "--use-flash-attn-triton", "use_flash_attn_triton")]
+ALCF_VARIABLES = ("MODEL_SIZE_KEY", "GAS", "SP_TYPE", "SP", "SPSIZE", *{var for _, var in ALCF_INTEGERS},
+                  *(var for var, _, _ in ALCF_ATTENTION))
+# The values ALCF's scripts pass on their own: defaults for the flags not given while an ALCF variable is set.
+ALCF_DEFAULTS = {"lr": 0.00015, "min_lr": 1e-5, "lr_decay_style": "cosine", "weight_decay": 1e-2, "clip_grad": 1.0,
+                 "lr_warmup_fraction": 0.01, "train_iters": 10, "split": "949,50,1", "bf16": True}
 
 # Megatron's defaults for the values a flag, the environment or a preset may set.
 DEFAULTS = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
@@ -36,7 +49,8 @@ DS_CONFIG_BATCH = [("train_micro_batch_size_per_gpu", "--micro-batch-size", "mic
 
 def parse_args(argv: list[str], env: Mapping[str, str] = os.environ) -> argparse.Namespace:
     """Parse flags, then fill what the user did not give from ALCF env vars, the preset, defaults."""
-    args, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         raise ConfigError(flag, "unknown or unsupported flag (see `entrypoint train --help` for what mds accepts)")
@@ -44,6 +58,7 @@ def parse_args(argv: list[str], env: Mapping[str, str] = os.environ) -> argparse
     args.fp8_format_flag = getattr(args, "fp8_format_flag", None)  # set by --fp8-format/--fp8-e4m3/--fp8-hybrid
     args.argv = list(argv)
     _from_alcf_environment(args, env)
+    _from_alcf_defaults(args, env, parser)
     _from_preset(args)
     _from_defaults(args)
     _attention_backend(args)
@@ -74,12 +89,20 @@ def _from_alcf_environment(args: argparse.Namespace, env: Mapping[str, str]) -> 
 
     if args.preset is None and env.get("MODEL_SIZE_KEY"):
         args.preset = env["MODEL_SIZE_KEY"]
+    taken = []
     for dest, var in ALCF_INTEGERS:
         if getattr(args, dest) is None and env_int(var) is not None:
             setattr(args, dest, env_int(var))
+            taken.append(f"{_flag(dest)} {env_int(var)} ({var})")
     args.gradient_accumulation_steps_env = env_int("GAS")
-    if args.use_flash_attn_v2 is None and env.get("USE_FLASH_ATTN_V2") and _truthy(env["USE_FLASH_ATTN_V2"]):
-        args.use_flash_attn_v2 = True
+    if args.gradient_accumulation_steps_env is not None:
+        taken.append(f"gradient accumulation {args.gradient_accumulation_steps_env} (GAS)")
+    for var, flag, dest in ALCF_ATTENTION:
+        if not getattr(args, dest) and _truthy(env.get(var, "")):
+            setattr(args, dest, True)
+            taken.append(f"{flag} ({var})")
+    if taken:
+        args.notices.append(f"note: from ALCF's variables: {', '.join(taken)}")
     sp_type = env.get("SP_TYPE", "").strip().lower()
     if sp_type not in ("", "ds", "megatron"):
         raise ConfigError("SP_TYPE", f"must be ds (DeepSpeed-Ulysses) or megatron, got {env['SP_TYPE']!r}")
@@ -94,6 +117,30 @@ def _from_alcf_environment(args: argparse.Namespace, env: Mapping[str, str]) -> 
     if args.ds_sequence_parallel_size is None and size is not None:
         args.ds_sequence_parallel_size = size
     args.sequence_parallel_env = sp_type == "megatron"
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _from_alcf_defaults(args: argparse.Namespace, env: Mapping[str, str], parser: argparse.ArgumentParser) -> None:
+    """While an ALCF variable is set, the flags its scripts always pass default to ALCF's values (a flag wins)."""
+    if not any(env.get(var, "").strip() for var in ALCF_VARIABLES):
+        return
+    options = {action.dest: action.option_strings for action in parser._actions}
+    given = {arg.split("=")[0] for arg in args.argv if arg.startswith("-")}
+    # what another flag decides instead: the length by samples, the warm-up by its own length, lr by the DeepSpeed
+    # config, the precision by --fp16
+    decided = {"train_iters": args.train_samples is not None, "lr": bool(args.deepspeed_config), "bf16": args.fp16,
+               "lr_warmup_fraction": any((args.lr_warmup_iters, args.lr_warmup_samples, args.lr_warmup_tokens))}
+    taken = []
+    for dest, value in ALCF_DEFAULTS.items():
+        if given & set(options[dest]) or getattr(args, dest) != parser.get_default(dest) or decided.get(dest):
+            continue
+        setattr(args, dest, value)
+        taken.append(_flag(dest) if value is True else f"{_flag(dest)} {value}")
+    if taken:
+        args.notices.append(f"note: ALCF's defaults (ALCF variables are set; a flag wins): {', '.join(taken)}")
 
 
 def _from_preset(args: argparse.Namespace) -> None:
