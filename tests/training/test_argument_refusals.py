@@ -122,12 +122,12 @@ def test_flag_combinations_end_in_settings_or_one_line(files):  # noqa: F811
 def test_drawn_combinations_through_the_command(demo_corpus, tmp_path):
     """A few of them through `entrypoint train --dry-run` itself (a real corpus: the command reads its token ids):
     exit 0 or 2, stderr one line, no traceback."""
-    files = dict(prefix=demo_corpus.prefix, vocab=demo_corpus.vocab_file, merges=demo_corpus.merge_file, dir=tmp_path)
+    corpus = dict(prefix=demo_corpus.prefix, vocab=demo_corpus.vocab_file, merges=demo_corpus.merge_file, dir=tmp_path)
     rng, actions = random.Random(7), parser_actions()
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}}
     codes = set()
     for _ in range(6):
-        argv = draw(rng, actions, files)
+        argv = draw(rng, actions, corpus)
         proc = subprocess.run([sys.executable, "-c", "import entrypoint, sys; sys.exit(entrypoint.main())", "train",
                                "--dry-run", *argv], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode in (0, 2), proc.stderr
