@@ -87,10 +87,14 @@ def cudnn_first(q: torch.Tensor):
     compiled graph, on CPU and on torch < 2.6 (no priority order) SDPA's own choice stands."""
     if not q.is_cuda or torch_version() < (2, 6) or torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:  # torch.nn.attention: torch >= 2.3 (the MS-AMP image's 2.1 has none)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        return sdpa_kernel(order, set_priority=True)
+    except ImportError:
+        return contextlib.nullcontext()
 
 
 def _sdpa(q, k, v, dropout_p: float, native_gqa: bool = False) -> torch.Tensor:
