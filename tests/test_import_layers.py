@@ -33,7 +33,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_ds.runtime", "megatron_ds.data"),
     ("megatron_ds.parallel",),
     ("megatron_ds.model",),
-    ("megatron_ds.precision", "megatron_ds.checkpoint"),
+    ("megatron_ds.training.settings", "megatron_ds.training.presets"),  # a run's frozen settings; the size table
+    ("megatron_ds.precision", "megatron_ds.training.lr_schedule"),
+    ("megatron_ds.training.arguments",),  # flags -> Settings: what checkpoints record and compare
+    ("megatron_ds.checkpoint",),
     ("megatron_ds.training",),
     ("megatron_ds.convert",),
     ("megatron_ds.demo",),

@@ -38,7 +38,7 @@ def build_ds_config(settings: Settings, precision: Precision, *, on_cpu: bool) -
         # ZeRO-3 otherwise replaces torch.nn.functional.linear with its own autograd Function
         # (LinearFunctionForZeroStage3); traced by dynamo inside a compiled layer (torch 2.11, CUDA) its input
         # gradients came out None: every norm, QKV and FC1 gradient zero (bench/zero3_compile_probe.py).
-        # A file that sets it true is refused with --torch-compile (arguments/rules.py compile_off_reason).
+        # A file that sets it true is refused with --torch-compile (arguments/capability.py compile_off_reason).
         zero.setdefault("memory_efficient_linear", False)
     config["zero_optimization"] = zero
     for section, ours in precision.deepspeed_config().items():

@@ -252,7 +252,7 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     as fast; --torch-compile compiles around its GEMMs);
     --no-torch-compile wins."""
     from megatron_ds.torch_support import compile_problem
-    from megatron_ds.training.arguments import rules
+    from megatron_ds.training.arguments import capability
     from megatron_ds.training.arguments.resolver import DERIVED, Resolver
 
     def resolved(*extra, world=1):
@@ -265,7 +265,7 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     args = validate(args, 1).flags
     assert args.torch_compile is False and not [n for n in args.notices if "compile" in n]  # this CPU machine
     assert resolved("--tensor-model-parallel-size", "2", world=2) == (False, [])  # CPU: eager, nothing to say
-    monkeypatch.setattr(rules, "cuda_gpu_visible", lambda: True)  # what nvidia-smi-less detection says on a GPU node
+    monkeypatch.setattr(capability, "cuda_gpu_visible", lambda: True)  # what detection says on a GPU node
     if compile_problem():  # torch 2.1: never on, and the notice says why
         assert resolved()[0] is False and "needs torch >= 2.5" in resolved()[1][0]
         return
@@ -280,12 +280,12 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     assert resolved("--num-experts", "4", "--torch-compile") == (True, [])
     te = parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te"), env={})
     te = Resolver(te, 1)
-    assert rules.compile_off_reason(te, te.dims) is None  # TE's GEMMs stay out of the graph
+    assert capability.compile_off_reason(te, te.dims) is None  # TE's GEMMs stay out of the graph
     on, notes = resolved("--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te")  # eager measured as fast
     assert on is False and "off by default with Transformer Engine FP8" in notes[0], notes
     assert resolved("--bf16", "--fp8-format", "hybrid", "--fp8-engine", "te", "--torch-compile") == (True, [])
     msamp = Resolver(parse_args(base(files, "--bf16", "--fp8-format", "hybrid", "--msamp"), env={}), 1)
-    assert "MS-AMP" in rules.compile_off_reason(msamp, msamp.dims)
+    assert "MS-AMP" in capability.compile_off_reason(msamp, msamp.dims)
     # the explicit flag is refused with the words the default's notice uses (compile_off_reason, one list)
     check(files, ["--torch-compile", "--bf16", "--fp8-format", "hybrid", "--msamp"], 1, "--torch-compile",
           "not with MS-AMP (its FP8 weights are ScalingTensor objects, not torch tensors); drop --torch-compile")
@@ -297,7 +297,7 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     flag becomes the mode that runs here. Without the flag: reorder where the layers compile with TP > 1, else
     off; none turns it off anywhere."""
     from megatron_ds.torch_support import compile_problem
-    from megatron_ds.training.arguments import rules
+    from megatron_ds.training.arguments import capability
 
     tp2 = ["--tensor-model-parallel-size", "2"]
     args = parse_args(base(files, *tp2), env={})
@@ -332,7 +332,7 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     assert mode("--tp-comm-overlap", "reorder") == "reorder"
     check(files, [*tp2, "--torch-compile", "--sequence-parallel", "--tp-comm-overlap", "pipeline"], 2,
           "--tp-comm-overlap", "no CUDA GPU is visible here")
-    monkeypatch.setattr(rules, "cuda_gpu_visible", lambda: True)
+    monkeypatch.setattr(capability, "cuda_gpu_visible", lambda: True)
     assert mode("--tp-comm-overlap", "--sequence-parallel") == "reorder"  # a GPU with SP: still reorder (measured)
     assert mode("--tp-comm-overlap", "pipeline", "--sequence-parallel") == "pipeline"
     check(files, [*tp2, "--torch-compile", "--tp-comm-overlap", "pipeline"], 2, "--tp-comm-overlap",

@@ -225,30 +225,30 @@ def lr_decay_samples(view: Resolver) -> int | None:
 
 
 def torch_compile(view: Resolver) -> bool:
-    """--torch-compile given: refused where mds does not compile (rules.compile_off_reason). Not given: on by
+    """--torch-compile given: refused where mds does not compile (capability.compile_off_reason). Not given: on by
     default with a CUDA GPU where mds compiles (measured faster there); eager on CPU, where compiling costs more
     than it saves in small runs and CI."""
-    from megatron_ds.training.arguments.rules import compile_off_reason, cuda_gpu_visible, fp8_engine
+    from megatron_ds.training.arguments import capability
 
     asked = view.given("torch_compile")
     if asked:
-        why = compile_off_reason(view, view.dims)
+        why = capability.compile_off_reason(view, view.dims)
         if why is not None:
             raise ConfigError("--torch-compile", f"{why}; drop --torch-compile")
         return True
-    if asked is not None or not cuda_gpu_visible():
+    if asked is not None or not capability.cuda_gpu_visible():
         return False
     if max(view.num_experts or [1]) > 1:
         view.notices.append("note: torch.compile is off by default with MoE: the expert layers compile their "
                             "attention only (DeepSpeed's gate reads the capacity on the host) and that is not yet "
                             "measured against eager on a GPU; --torch-compile turns it on")
         return False
-    if fp8_engine(view) == "te":
+    if capability.fp8_engine(view) == "te":
         view.notices.append("note: torch.compile is off by default with Transformer Engine FP8: its GEMMs break the "
                             "layer graph four times, and compiled measured no faster than eager (bench/RESULTS.md) "
                             "while starting 24 s slower; --torch-compile compiles the layers around TE's GEMMs")
         return False
-    why = compile_off_reason(view, view.dims)
+    why = capability.compile_off_reason(view, view.dims)
     if why is not None:
         view.notices.append(f"note: torch.compile is off by default here: {why}")
     return why is None

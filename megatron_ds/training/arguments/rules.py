@@ -16,13 +16,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from megatron_ds.env_settings import INDUCTOR_OPTIONS, SettingError
-from megatron_ds.training.arguments import rules_fp8
+from megatron_ds.training.arguments import capability, rules_fp8
 from megatron_ds.training.arguments.flags import ConfigError
 from megatron_ds.training.arguments.resolver import DERIVED, Resolver, accumulation_steps, without_flag
 from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH
 from megatron_ds.training.settings import FIELDS, Settings, settings_from
 
-__all__ = ["RULES", "accumulation_steps", "check_ulysses", "compile_off_reason", "validate"]
+__all__ = ["RULES", "accumulation_steps", "check_ulysses", "validate"]
 
 POSITIVE = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--log-interval",
             "--eval-interval", "--recompute-num-layers", "--eval-iters")
@@ -439,40 +439,6 @@ def _hangs_and_restarts(args: argparse.Namespace) -> None:
                           "and overwrite the checkpoints: add --load (usually the same directory as --save)")
 
 
-def cuda_gpu_visible() -> bool:
-    """A CUDA build of torch and an NVIDIA GPU for this process, found without initialising CUDA (the launcher
-    validates before it spawns the ranks)."""
-    import torch
-
-    from megatron_ds.runtime.bootstrap import visible_gpus
-
-    return torch.version.cuda is not None and visible_gpus() > 0
-
-
-def fp8_engine(args: argparse.Namespace) -> str | None:
-    """The FP8 engine the flags select (auto resolved on this machine), None without FP8."""
-    from megatron_ds.precision.fp8 import fp8_requested
-    from megatron_ds.precision.fp8_select import engine_name
-
-    return engine_name(args, args.transformer_impl) if fp8_requested(args) is not None else None
-
-
-def compile_off_reason(args: argparse.Namespace, dims: ParallelDims) -> str | None:
-    """Why mds does not compile the layers of this layout, or None: the one list behind both the default
-    (eager there, with one notice) and the refusal of an explicit --torch-compile (same words)."""
-    from megatron_ds.torch_support import compile_problem
-
-    if (why := compile_problem(dims.tp)) is not None:
-        return why
-    file_zero = (getattr(args, "ds_config_file", None) or {}).get("zero_optimization") or {}  # set in validate
-    if args.zero_stage == 3 and file_zero.get("memory_efficient_linear", False):
-        return ("not with zero_optimization.memory_efficient_linear true in --deepspeed_config (dynamo traces "
-                "ZeRO-3's linear autograd Function wrongly: input gradients lost; mds sets it false when compiling)")
-    if fp8_engine(args) == "msamp":
-        return "not with MS-AMP (its FP8 weights are ScalingTensor objects, not torch tensors)"
-    return None
-
-
 def _torch_compile(args: argparse.Namespace) -> None:
     """Compiled where asked and mds compiles, else eager (resolver.torch_compile). Read before the environment
     rules' compile notices, which see the decision."""
@@ -516,7 +482,7 @@ def _tp_comm_overlap(args: argparse.Namespace) -> None:
     if mode == "halves" and args.micro_batch_size < 2:
         raise ConfigError(flag, f"halves splits each micro batch in two and --micro-batch-size is "
                           f"{args.micro_batch_size}: give at least 2, or use reorder")
-    if mode == "pipeline" and not cuda_gpu_visible():
+    if mode == "pipeline" and not capability.cuda_gpu_visible():
         raise ConfigError(flag, "pipeline exchanges its chunks through CUDA symmetric memory and no CUDA GPU is "
                           "visible here (reorder runs wherever the layers compile)")
 

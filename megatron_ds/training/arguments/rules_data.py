@@ -26,6 +26,8 @@ def data_within_vocabulary(settings: Settings) -> list[str]:
     from megatron_ds.model.config import pad_vocab_size
 
     data, model, tp = settings.data, settings.model, settings.layout.tensor_model_parallel_size
+    if not data.data_path:  # a dry run needs no data: nothing to scan
+        return []
     try:
         prefixes = [prefix for _, prefix in parse_data_path(list(data.data_path))]
     except DataConfigError as err:
