@@ -107,7 +107,7 @@ image-cpu: image-cpu-base ## the default recipe built on the CPU test base (what
 need_image = $(DOCKER) image inspect $(1) >/dev/null 2>&1 || { echo "make $@: the Docker image $(1) is not in \
   the local Docker daemon: run make $(2) first (or make $@ $(3)=IMAGE for another)" >&2; exit 2; }
 
-apptainer-setup: ## an Apptainer for the SIF targets: the host's, else a Debian sid root with sid's (root + debootstrap)
+apptainer-setup: ## an Apptainer for the SIF targets: the host's, else a Debian trixie root with sid's (root + debootstrap)
 	@bash scripts/setup-apptainer.sh
 
 sif: ## Apptainer image from the Docker image in the local daemon (IMAGE=mds:latest) -> mds.sif

@@ -3,8 +3,9 @@ apptainer/mds.def, for every flavour), its %test runs on the read-only image, an
 on data bound in from the host, to the losses of the same run outside the container, whose resume from the
 container's checkpoint continues exactly.
 
-Apptainer is the host's where it has one, else a Debian sid root that scripts/setup-apptainer.sh builds and
-scripts/apptainer enters (the `apptainer` marker deselects these tests; a missing piece fails naming itself).
+Apptainer is the host's where it has one, else the Debian root (trixie, sid's apptainer) that
+scripts/setup-apptainer.sh builds and scripts/apptainer enters (the `apptainer` marker deselects these tests; a
+missing piece fails naming itself).
 """
 
 from __future__ import annotations
