@@ -197,20 +197,3 @@ def load_ds_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise ConfigError("--deepspeed_config", f"{path} must hold a JSON object")
     return config
-
-
-def fill_from_ds_config(args: argparse.Namespace) -> None:
-    """Read --deepspeed_config (as args.ds_config_file, None without one) and fill what the flags left open:
-    micro and global batch, ZeRO stage (else 0) and the learning rate (its optimizer section's params.lr)."""
-    ds_file = load_ds_config(args.deepspeed_config) if args.deepspeed_config else None
-    args.ds_config_file = ds_file
-    ds_file = ds_file or {}
-    for key, _flag, dest in DS_CONFIG_BATCH:
-        if getattr(args, dest) is None and ds_file.get(key, "auto") != "auto":
-            setattr(args, dest, int(ds_file[key]))
-    stage = (ds_file.get("zero_optimization") or {}).get("stage")
-    if args.zero_stage is None:
-        args.zero_stage = 0 if stage is None else int(stage)
-    optimizer_params = (ds_file.get("optimizer") or {}).get("params") or {}
-    if args.lr is None and "lr" in optimizer_params:
-        args.lr = float(optimizer_params["lr"])
