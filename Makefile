@@ -41,7 +41,7 @@ test: $(READY) oldest-stack-sources test-system ## the test suite (PYTEST_ARGS=.
 lint: $(READY) ## ruff over the whole tree (pyproject.toml [tool.ruff]): must report nothing
 	$(VENV)/bin/ruff check .
 
-test-system: ## install the system packages the tests use (Slurm, MPI, shellcheck, Docker; root + apt) when missing
+test-system: ## install the system packages the tests use (Slurm, MPI, shellcheck, Docker, FUSE 3; root + apt) when missing
 	@bash scripts/setup-test-system.sh
 
 # GPU benchmarks; bench/device.sh has the stages, bench/RESULTS.md the table each one reproduces:

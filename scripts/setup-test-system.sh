@@ -12,7 +12,8 @@ set -euo pipefail
 GROUPS_TABLE='slurm-wlm munge|munged mungekey slurmctld slurmd srun sbatch sinfo scontrol|tests/runtime start a local Slurm (munged, slurmctld, slurmd) and submit with srun and sbatch
 openmpi-bin mpich|mpirun.openmpi mpiexec.hydra|tests/runtime launch ranks with Open MPI mpirun and MPICH mpiexec.hydra
 shellcheck|shellcheck|tests lint the generated sbatch scripts and the image step scripts
-docker.io debootstrap git|dockerd docker debootstrap git|tests/images build and run the image recipes on a local Debian CPU base (Docker engine, debootstrap for its root file system, git for the revision label)'
+docker.io debootstrap git|dockerd docker debootstrap git|tests/images build and run the image recipes on a local Debian CPU base (Docker engine, debootstrap for its root file system, git for the revision label)
+fuse3|fusermount3|tests/checkpoint mount a FUSE filesystem that fails with EIO (failing_disk.py: mfusepy over libfuse3)'
 # tests/test_setup_system.py hands in a table of its own, to make the script install something
 GROUPS_TABLE="${MDS_SYSTEM_GROUPS_TABLE:-${GROUPS_TABLE}}"
 LOCK_TIMEOUT="${MDS_APT_LOCK_TIMEOUT:-900}"
@@ -34,7 +35,7 @@ while IFS='|' read -r packages commands why; do
 done <<< "$GROUPS_TABLE"
 
 if [ ${#missing_packages[@]} -eq 0 ]; then
-    echo "mds: system: Slurm + munge, Open MPI + MPICH, shellcheck, Docker + debootstrap + git all present"
+    echo "mds: system: Slurm + munge, Open MPI + MPICH, shellcheck, Docker + debootstrap + git, FUSE 3 all present"
     exit 0
 fi
 

@@ -1,9 +1,9 @@
 """A full or read-only disk during a save, and a broken newest checkpoint at load, through `entrypoint train`.
 
 Failed saves: a 13 MB tmpfs holds two ZeRO-2 checkpoints of the test GPT (5.9 MB each) and refuses the third;
-a read-only bind mount refuses every write. Each ends in exit 74 with one line naming the path, the space
-needed and free and the checkpoint `latest` still names, no traceback, no partial directory left, and the run
-resumes from it.
+a read-only bind mount refuses every write; a FUSE filesystem (failing_disk.py) answers writes with EIO once
+the first save is written. Each ends in exit 74 with one line naming the path, the space needed and free and the
+checkpoint `latest` still names, no traceback, no partial directory left; after the full disk the run resumes.
 Broken checkpoints: a truncated, corrupt or unnamed newest checkpoint resumes from the newest complete one (the
 losses after it bitwise those of the uninterrupted run), or with --no-ckpt-fallback exits 2 naming it.
 """
@@ -14,6 +14,8 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,49 @@ def test_read_only_disk_keeps_latest_and_writes_nothing(demo_corpus, tmp_path, m
     assert f"`latest` still names the last complete checkpoint {ckpt / 'iter_0000005'}" in line, line
     assert sorted(p.name for p in (source / "ckpt").iterdir()) == before
     assert (ckpt / "latest").read_text() == "iter_0000005"
+
+
+@pytest.fixture
+def failing_disk(tmp_path):
+    """``failing_disk(budget)``: a directory on which writes fail with EIO once ``budget`` bytes are written."""
+    started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(budget: int) -> Path:
+        backing, mountpoint = tmp_path / "backing", tmp_path / "failing"
+        backing.mkdir()
+        mountpoint.mkdir()
+        server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("failing_disk.py")), str(backing),
+                                   str(mountpoint), str(budget)], stderr=subprocess.PIPE, text=True)
+        started.append((server, mountpoint))
+        deadline = time.time() + 30
+        while not mountpoint.is_mount():
+            if server.poll() is not None or time.time() > deadline:
+                server.kill()
+                raise AssertionError("the EIO disk (FUSE: mfusepy from the test extra, libfuse3 and /dev/fuse from "
+                                     f"fuse3, scripts/setup-test-system.sh) did not mount: {server.communicate()[1]}")
+            time.sleep(0.05)
+        return mountpoint
+
+    yield start
+    for server, mountpoint in started:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_failing_disk_keeps_the_last_checkpoint_and_names_the_io_error(mode, demo_corpus, tmp_path, failing_disk):
+    """A disk that fails with EIO after 6 MB: the save at 10 (4.4 MB) is written, the one at 20 is refused (with
+    --async-save the background writer meets it, and the run exits where it next waits for the writer)."""
+    ckpt = failing_disk(6_000_000) / "ckpt"
+    flags = ["--save", str(ckpt), "--save-interval", "10", *mode]
+    result = run(train_argv(demo_corpus, 1, flags, iters=30), tmp_path / "eio", code=SAVE_FAILED)
+    line = _one_error_line(result, "saving iteration 20 failed")
+    assert "Input/output error (errno EIO) writing " + str(ckpt / ".tmp-iter_0000020") in line, line
+    assert "the save needs about " in line and " are free there" in line, line
+    assert f"`latest` still names the last complete checkpoint {ckpt / 'iter_0000010'}" in line, line
+    assert f"resume with --load {ckpt} (exit 74)" in line, line
+    assert (ckpt / "latest").read_text() == "iter_0000010"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["iter_0000010"]  # no .tmp-iter_0000020
 
 
 @pytest.fixture(scope="module")
