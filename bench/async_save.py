@@ -67,8 +67,8 @@ def measure(preset: str, flags: list[str], save_dir: Path, device: str = "cuda")
 
     from bench.bench_train import GPT2_VOCAB
     from bench.in_process import build
+    from megatron_ds.arguments.settings import replace_args
     from megatron_ds.checkpoint import Checkpointer
-    from megatron_ds.training.settings import replace_args
     from megatron_ds.training.state import TrainState
 
     shutil.rmtree(save_dir, ignore_errors=True)

@@ -94,7 +94,7 @@ def train_command(flags: list[str], *, steps: int, metrics_file: Path, data_pref
 
 def resolved_shape(flags: list[str]) -> dict:
     """The model/batch shape the train flags describe (parsed by the train CLI's own parser)."""
-    from megatron_ds.training.arguments import parse_args
+    from megatron_ds.arguments import parse_args
 
     a = parse_args(flags + ["--train-iters", "1"], env={})
     return {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
@@ -162,8 +162,8 @@ def startup_lines(log: str) -> dict:
 def estimated_gib(train_flags: list[str]) -> float | None:
     """The train CLI's own memory estimate for these flags (what --dry-run prints), held in each record against
     the measured ``mem_gib_max``; None where the flags do not validate here."""
+    from megatron_ds.arguments import ConfigError, parse_args, validate
     from megatron_ds.training import memory_estimate
-    from megatron_ds.training.arguments import ConfigError, parse_args, validate
 
     try:
         args = parse_args(train_flags, env={})
@@ -206,7 +206,7 @@ def _gradient_accumulation(shape: dict) -> int:
     """Micro-batches per optimizer step, by the train CLI's own rule with DP from --nproc-per-node (else 1), so
     each GPU of the baseline does the same work per step. A shape that rule refuses failed our run already (its
     record says why); the baseline then takes one micro-batch per step."""
-    from megatron_ds.training.arguments import ConfigError, accumulation_steps
+    from megatron_ds.arguments import ConfigError, accumulation_steps
 
     if not shape["global_batch_size"]:
         return 1

@@ -22,10 +22,10 @@ def build(flags: list[str], *, before_validate: Callable | None = None, after_va
     import torch
 
     from bench.bench_train import GPT2_VOCAB, synthetic_dataset
+    from megatron_ds.arguments import parse_args, validate
+    from megatron_ds.arguments.settings import replace_args, settings_from
     from megatron_ds.runtime import profiles
-    from megatron_ds.training.arguments import parse_args, validate
     from megatron_ds.training.build import build_run
-    from megatron_ds.training.settings import replace_args, settings_from
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port))):

@@ -33,9 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_ds.runtime", "megatron_ds.data"),
     ("megatron_ds.parallel",),
     ("megatron_ds.model",),
-    ("megatron_ds.training.settings", "megatron_ds.training.presets"),  # a run's frozen settings; the size table
-    ("megatron_ds.precision", "megatron_ds.training.lr_schedule"),
-    ("megatron_ds.training.arguments",),  # flags -> Settings: what checkpoints record and compare
+    ("megatron_ds.precision",),
+    ("megatron_ds.arguments",),  # flags -> Settings: what checkpoints record and compare, what training runs
     ("megatron_ds.checkpoint",),
     ("megatron_ds.training",),
     ("megatron_ds.convert",),

@@ -75,7 +75,7 @@ def check_flags(flags: list[str]) -> None:
 
 def our_args(flags: list[str]):
     """Our train CLI's own reading of the flags (preset expanded, defaults filled)."""
-    from megatron_ds.training.arguments import parse_args
+    from megatron_ds.arguments import parse_args
 
     return parse_args(flags + (["--train-iters", "1"] if "--train-iters" not in flags else []), env={})
 

@@ -488,7 +488,7 @@ class Checkpointer:
     """One run's checkpointing, from its flags: what to resume from (--load), where (--save) and how
     often (--save-interval) to save. The loop asks ``due(iteration)`` after each step.
 
-    ``flags``: every validated setting by its flag's name (training/settings.py flags_of), a dict or a Namespace.
+    ``flags``: every validated setting by its flag's name (arguments/settings.py flags_of), a dict or a Namespace.
     By name because that is what a checkpoint stores (its metadata's "args") and what a load compares; this
     layer knows nothing of training's sections."""
 

@@ -51,8 +51,8 @@ def tokenizer_vocab_size(args: Namespace) -> int | None:
 def gpt_config(args: Namespace, padded_vocab_size: int):
     """The GPTConfig whose weights these flags fix: training's (settings.model_config), the flags a Namespace
     lacks or leaves None taking the parser's defaults (a stored or a test's Namespace)."""
-    from megatron_ds.training.arguments import settings_from_stored
-    from megatron_ds.training.settings import model_config
+    from megatron_ds.arguments import settings_from_stored
+    from megatron_ds.arguments.settings import model_config
 
     given = {name: value for name, value in vars(args).items() if value is not None}
     return model_config(settings_from_stored(given), padded_vocab_size)

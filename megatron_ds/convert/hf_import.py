@@ -211,11 +211,11 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
               make_vocab_size_divisible_by: int = 128) -> dict:
     """Write ``hf_dir`` as an mds checkpoint in ``out_dir`` at TP x PP; returns what to tell the user:
     {"directory", "flags" (model + tokenizer flags), "warnings", "architecture"}."""
+    from megatron_ds.arguments.flags import ConfigError
+    from megatron_ds.arguments.sources import parse_args
     from megatron_ds.checkpoint import shape as shapes
     from megatron_ds.checkpoint import splits as split_records
     from megatron_ds.checkpoint import writer
-    from megatron_ds.training.arguments.flags import ConfigError
-    from megatron_ds.training.arguments.sources import parse_args
 
     config = read_config(hf_dir)
     flags = model_flags(config, hf_dir)

@@ -237,13 +237,13 @@ def import_megatron_deepspeed(source: str, out_dir: str, *, tp: int = 1, pp: int
 
     ``qkv_order``: the row order of query_key_value (megatron_qkv.ORDERS); ``auto`` reads it from the
     checkpoint_version and the saved args."""
+    from megatron_ds.arguments.flags import ConfigError
+    from megatron_ds.arguments.sources import parse_args
     from megatron_ds.checkpoint import shape as shapes
     from megatron_ds.checkpoint import splits as split_records
     from megatron_ds.checkpoint import writer
     from megatron_ds.convert import megatron_qkv as qkv
     from megatron_ds.convert.hf_import import _attribute
-    from megatron_ds.training.arguments.flags import ConfigError
-    from megatron_ds.training.arguments.sources import parse_args
 
     directory = checkpoint_directory(source)
     names = os.listdir(directory)

@@ -50,11 +50,11 @@ def target_args(source_args: dict, *, tp: int, pp: int, dp: int, zero_stage: int
                 make_vocab_size_divisible_by: int | None, save: str, sp: int = 1) -> Namespace:
     """The source run's flags at the target layout, a new Namespace (the checkpoint's flags are read, never
     written); CheckpointError naming the flag a layout breaks."""
+    from megatron_ds.arguments import ConfigError
+    from megatron_ds.arguments.rules import accumulation_steps, check_ulysses
     from megatron_ds.model.config import ModelConfigError, check_shape, shape_of
     from megatron_ds.parallel.pipeline_split import stage_layers
     from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
-    from megatron_ds.training.arguments import ConfigError
-    from megatron_ds.training.arguments.rules import accumulation_steps, check_ulysses
 
     world = tp * pp * dp * sp
     changes = {"zero_stage": zero_stage, "ds_sequence_parallel_size": sp}

@@ -76,7 +76,7 @@ def _link_optimizer_state(engine) -> None:
 def build(stored_flags: dict, padded_vocab: int):
     """The run a checkpoint's stored flags describe (an older checkpoint's missing flags at their defaults:
     settings_from_stored), built as training builds it (training/build.py), on gloo, for its engine."""
-    from megatron_ds.training.arguments import settings_from_stored
+    from megatron_ds.arguments import settings_from_stored
     from megatron_ds.training.build import build_run
 
     return build_run(settings_from_stored(stored_flags), backend="gloo", padded_vocab=padded_vocab, training=False)

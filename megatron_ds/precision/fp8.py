@@ -98,7 +98,7 @@ def fp8_gemm_refusal(capability: tuple[int, int] | None) -> str | None:
 
 
 def fp8_options(precision) -> FP8Options:
-    """The FP8 options of a PrecisionSettings (training/settings.py), or of the flags while validation checks them:
+    """The FP8 options of a PrecisionSettings (arguments/settings.py), or of the flags while validation checks them:
     the same names, so this layer needs neither."""
     return FP8Options(format=precision.fp8_format or "hybrid", margin=precision.fp8_margin,
                       interval=precision.fp8_interval, amax_history_len=precision.fp8_amax_history_len,

@@ -66,7 +66,7 @@ class Precision:
 
 
 def precision_from(precision, transformer_impl: str) -> Precision:
-    """The Precision that a PrecisionSettings (training/settings.py) describes: --bf16 / --fp16 (or neither: fp32),
+    """The Precision that a PrecisionSettings (arguments/settings.py) describes: --bf16 / --fp16 (or neither: fp32),
     the loss-scale flags and the FP8 engine (``transformer_impl``: the model section's, for --fp8-engine auto)."""
     common = dict(
         loss_scale=precision.loss_scale,

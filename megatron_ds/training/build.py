@@ -1,4 +1,4 @@
-"""Building one run from its typed settings (training/settings.py), the one way that training, resharding and the
+"""Building one run from its typed settings (arguments/settings.py), the one way that training, resharding and the
 benchmark harness share:
 
     process groups -> dropout seed -> tokenizer, padded vocabulary -> precision -> model + DeepSpeed engine
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_ds.arguments.settings import Settings, flags_of
 from megatron_ds.checkpoint import Checkpointer
 from megatron_ds.model.config import pad_vocab_size
 from megatron_ds.parallel.state import ParallelState, init_parallel, local_device_index
 from megatron_ds.precision import Precision, precision_from
 from megatron_ds.training.engine import Built, build_engine
-from megatron_ds.training.settings import Settings, flags_of
 
 
 @dataclass

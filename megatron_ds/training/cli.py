@@ -6,10 +6,10 @@ import os
 import sys
 from typing import NoReturn
 
+from megatron_ds.arguments import ConfigError, parse_args, validate
+from megatron_ds.arguments.rules_data import data_within_vocabulary
 from megatron_ds.env_settings import SIGNAL_GRACE
 from megatron_ds.training import memory_estimate
-from megatron_ds.training.arguments import ConfigError, parse_args, validate
-from megatron_ds.training.arguments.rules_data import data_within_vocabulary
 
 
 def _error(message: str) -> int:
@@ -73,9 +73,9 @@ def main(argv: list[str]) -> int:
             print(line, file=sys.stderr)
     from torch.cuda import OutOfMemoryError
 
+    from megatron_ds.arguments.lr_schedule import ScheduleMismatch
     from megatron_ds.checkpoint import SAVE_FAILED_EXIT, CheckpointError, SaveError
     from megatron_ds.training.loop import train
-    from megatron_ds.training.lr_schedule import ScheduleMismatch
 
     try:
         code = train(settings)

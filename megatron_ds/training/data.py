@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from megatron_ds.training.settings import Settings
+from megatron_ds.arguments.settings import Settings
 
 
 def num_samples(settings: Settings) -> tuple[int, int, int]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 
+from megatron_ds.arguments.settings import Settings
 from megatron_ds.precision import Precision
 from megatron_ds.training import ulysses_zero
-from megatron_ds.training.settings import Settings
 
 
 def build_ds_config(settings: Settings, precision: Precision, *, on_cpu: bool) -> dict:

@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from megatron_ds.arguments.lr_schedule import ScheduledLR, schedule_from
+from megatron_ds.arguments.settings import Settings, model_config
 from megatron_ds.model.config import GPTConfig
 from megatron_ds.model.gpt import FinalNorm, GPTModel, TransformerLayer, gpt_stage_specs, lm_loss
 from megatron_ds.parallel.layers import weights_drawn_on
@@ -24,10 +26,8 @@ from megatron_ds.parallel.pipeline_split import stage_layers
 from megatron_ds.parallel.state import ParallelState, local_device_index
 from megatron_ds.precision import Precision
 from megatron_ds.training.ds_config import build_ds_config, optimizer_from_config, scheduler_from_config
-from megatron_ds.training.lr_schedule import ScheduledLR, schedule_from
 from megatron_ds.training.moe import expert_param_groups, moe_mlp_builder
 from megatron_ds.training.optimizer import AdamW
-from megatron_ds.training.settings import Settings, model_config
 from megatron_ds.training.ulysses_zero import backward_scale, partition_over_sequence_data_parallel
 
 

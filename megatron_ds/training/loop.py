@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_ds.arguments.settings import DataSettings, RuntimeSettings, Settings
 from megatron_ds.checkpoint import StopAgreement
 from megatron_ds.runtime.progress import Progress
 from megatron_ds.runtime.restarts import NONFINITE_EXIT
@@ -29,7 +30,6 @@ from megatron_ds.training import warmup
 from megatron_ds.training.data import MicroBatches
 from megatron_ds.training.metrics import MetricsLogger, StepStats, memory_gib, peak_flops, wandb_settings
 from megatron_ds.training.nonfinite import NonFiniteError, NonFiniteWatch, stop_message
-from megatron_ds.training.settings import DataSettings, RuntimeSettings, Settings
 from megatron_ds.training.state import TrainState
 
 
@@ -228,7 +228,7 @@ def startup_line(run) -> str:
 class Trainer:
     """One training run. `run()` returns the process exit code.
 
-    `settings` (training/settings.py) is what the loop and the builder read; its flag view is W&B's run config."""
+    `settings` (arguments/settings.py) is what the loop and the builder read; its flag view is W&B's run config."""
 
     def __init__(self, settings: Settings, progress: Progress | None = None):
         self.settings = settings

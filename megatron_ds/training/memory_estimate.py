@@ -24,10 +24,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass, replace
 
+from megatron_ds.arguments.settings import Settings, model_config
 from megatron_ds.model.config import GPTConfig, pad_vocab_size
 from megatron_ds.model.moe import capacity
 from megatron_ds.parallel.pipeline_split import stage_layers
-from megatron_ds.training.settings import Settings, model_config
 
 GIB = 1 << 30
 GATHERED_INPUT_BYTES = 4  # QKV and FC1 inputs kept all-gathered by the compiled TP layers under SP
@@ -261,7 +261,7 @@ def check_fits(settings: Settings, gpu_gib: float | None) -> Estimate:
     """The estimate; ConfigError (exit 2, before any GPU work) when it exceeds the GPUs' memory by more than its
     own error, naming what is needed, what the GPUs have and a layout that fits. A borderline run starts (and
     meets the out-of-memory message if it does not fit); FP8 and offloaded runs are not refused."""
-    from megatron_ds.training.arguments import ConfigError
+    from megatron_ds.arguments import ConfigError
 
     config, layout = for_settings(settings)
     found = estimate(config, layout)

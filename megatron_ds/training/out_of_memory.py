@@ -6,8 +6,8 @@ run of a new size. The message ends the rank's output (after the traceback), so 
 
 from __future__ import annotations
 
+from megatron_ds.arguments.settings import Settings
 from megatron_ds.parallel.pipeline_split import even_split
-from megatron_ds.training.settings import Settings
 
 GIB = 1 << 30
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_ds.training.arguments import ConfigError, parse_args, validate
+from megatron_ds.arguments import ConfigError, parse_args, validate
 
 
 def argv(tmp_path, *extra):

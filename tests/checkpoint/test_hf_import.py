@@ -82,10 +82,10 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 def our_logits(checkpoint: Path, tokens: torch.Tensor) -> torch.Tensor:
     """One process: GPTModel from the checkpoint's recorded flags, loading the file the import wrote."""
+    from megatron_ds.arguments import settings_from_stored
+    from megatron_ds.arguments.settings import model_config
     from megatron_ds.model.gpt import GPTModel
     from megatron_ds.precision import precision_from
-    from megatron_ds.training.arguments import settings_from_stored
-    from megatron_ds.training.settings import model_config
 
     metadata = json.loads((checkpoint / "mds_checkpoint.json").read_text())
     settings = settings_from_stored(metadata["args"])

@@ -263,7 +263,7 @@ def test_export_merges_by_the_split_record_and_rebuilds_it_for_older_checkpoints
 def test_export_merges_pipeline_stages(reference, tmp_path):
     """The PP=2 run's own validation loss at iteration 10 (computed by DeepSpeed's pipeline engine on
     validation samples 4..7) is reproduced by the exported model on the same samples."""
-    from megatron_ds.training.arguments import settings_from_stored
+    from megatron_ds.arguments import settings_from_stored
     from megatron_ds.training.data import build_datasets
 
     ref = reference("pp2")

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 
 def main(directory: str, tokens_path: str, out_path: str) -> int:
+    from megatron_ds.arguments import settings_from_stored
+    from megatron_ds.arguments.settings import model_config
     from megatron_ds.model.gpt import GPTModel
     from megatron_ds.parallel.state import destroy, init_parallel
     from megatron_ds.precision import precision_from
-    from megatron_ds.training.arguments import settings_from_stored
-    from megatron_ds.training.settings import model_config
 
     metadata = json.load(open(os.path.join(directory, "mds_checkpoint.json")))
     settings = settings_from_stored(metadata["args"])

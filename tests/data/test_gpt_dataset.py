@@ -172,7 +172,7 @@ def test_two_processes_only_one_builds(tmp_path, mode):
 
 def test_orders_have_their_own_caches_and_the_flag(tmp_path):
     """--data-order mds keeps the earlier order; each order caches under its own names, never the other's."""
-    from megatron_ds.training.arguments.flags import build_parser
+    from megatron_ds.arguments.flags import build_parser
 
     prefix, _ = numbered_corpus(tmp_path / "c")
     cache = str(tmp_path / "cache")

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from megatron_ds.training.arguments import parse_args, validate
+from megatron_ds.arguments import parse_args, validate
 from megatron_ds.training.loop import Trainer
 
 

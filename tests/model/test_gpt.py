@@ -455,7 +455,7 @@ def test_building_and_running_an_eager_model_leaves_dynamo_unimported():
             "before = set(sys.modules)  # what torch itself imports (torch 2.1 brings sympy along)\n"
             "from megatron_ds.model.config import GPTConfig\n"
             "from megatron_ds.model.gpt import GPTModel\n"
-            "from megatron_ds.training.arguments import parse_args\n"
+            "from megatron_ds.arguments import parse_args\n"
             "model = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,"
             " seq_length=4, attention_backend='sdpa'))\n"
             "model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()\n"

@@ -18,10 +18,10 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    from megatron_ds.arguments import parse_args, rules_fp8, validate
+    from megatron_ds.arguments.settings import settings_from
     from megatron_ds.parallel.state import ParallelDims
-    from megatron_ds.training.arguments import parse_args, rules_fp8, validate
     from megatron_ds.training.loop import train
-    from megatron_ds.training.settings import settings_from
 
     argv = list(argv)
     at = argv.index("--fp8-format")

@@ -4,12 +4,12 @@ import sys
 
 import pytest
 
+from megatron_ds.arguments import ConfigError, parse_args, validate
+from megatron_ds.arguments.settings import PrecisionSettings, section_from
 from megatron_ds.precision import precision_from
 from megatron_ds.precision.fp8 import fp8_gemm_refusal
 from megatron_ds.precision.fp8_select import engine_for
 from megatron_ds.runtime.bootstrap import visible_gpus
-from megatron_ds.training.arguments import ConfigError, parse_args, validate
-from megatron_ds.training.settings import PrecisionSettings, section_from
 
 
 def engine_from_args(args):
@@ -215,7 +215,7 @@ def test_msamp_refuses_deepspeed_config_sections_it_would_conflict_with(files, t
 
 
 def test_the_flag_a_refusal_names_is_the_one_that_chose_the_engine():
-    from megatron_ds.training.arguments.rules_fp8 import engine_flag
+    from megatron_ds.arguments.rules_fp8 import engine_flag
 
     def flag(name, *flags):
         return engine_flag(parse_args(["--num-layers", "1", *flags], env={}), name, "--fp8-hybrid")
@@ -229,10 +229,10 @@ def test_the_flag_a_refusal_names_is_the_one_that_chose_the_engine():
 
 
 def test_msamp_runs_without_fp8_gemms_with_a_notice_and_the_others_are_refused():
+    from megatron_ds.arguments.rules_fp8 import gemm_capability
     from megatron_ds.precision.fp8 import FP8Options
     from megatron_ds.precision.fp8_msamp import MSAMPEngine
     from megatron_ds.precision.fp8_torchao import TorchaoEngine
-    from megatron_ds.training.arguments.rules_fp8 import gemm_capability
 
     msamp, torchao = MSAMPEngine(FP8Options()), TorchaoEngine(FP8Options())
     notice = gemm_capability(msamp, "--msamp", (8, 0))  # A100

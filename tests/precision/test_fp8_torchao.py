@@ -141,9 +141,9 @@ def dict_config(config: GPTConfig, **changes) -> GPTConfig:
 
 
 def test_precision_wrap_model_is_the_engines_conversion():
+    from megatron_ds.arguments import parse_args
+    from megatron_ds.arguments.settings import PrecisionSettings, section_from
     from megatron_ds.precision import precision_from
-    from megatron_ds.training.arguments import parse_args
-    from megatron_ds.training.settings import PrecisionSettings, section_from
 
     args = parse_args(["--num-layers", "2", "--bf16", "--fp8-format", "e4m3"], env={})
     precision = precision_from(section_from(PrecisionSettings, args), args.transformer_impl)

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
+from megatron_ds.arguments import ConfigError, parse_args, validate
 from megatron_ds.runtime.stragglers import OwnWork, RankTimes, slowdown_for_tests
-from megatron_ds.training.arguments import ConfigError, parse_args, validate
 
 
 def test_the_slowest_rank_is_named_only_past_the_factor_and_when_the_gap_matters():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from types import SimpleNamespace
 
-from megatron_ds.training.settings import SECTIONS
+from megatron_ds.arguments.settings import SECTIONS
 
 OWNER = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from megatron_ds.training.arguments import ConfigError, build_parser, parse_args, validate
-from megatron_ds.training.arguments.rules import RULES
+from megatron_ds.arguments import ConfigError, build_parser, parse_args, validate
+from megatron_ds.arguments.rules import RULES
 from tests.training.test_arguments import base, files  # noqa: F401 (the fixture)
 
 

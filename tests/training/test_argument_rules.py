@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from megatron_ds.arguments import ConfigError, accumulation_steps, parse_args, validate
 from megatron_ds.model.config import GPTConfig, ModelConfigError, check_shape
 from megatron_ds.parallel.state import ParallelConfigError, ParallelDims
-from megatron_ds.training.arguments import ConfigError, accumulation_steps, parse_args, validate
 
 
 @pytest.fixture

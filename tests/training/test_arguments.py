@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from megatron_ds.training.arguments import ConfigError, pad_vocab_size, parse_args, validate
-from megatron_ds.training.presets import PRESETS
+from megatron_ds.arguments import ConfigError, pad_vocab_size, parse_args, validate
+from megatron_ds.arguments.presets import PRESETS
 
 
 @pytest.fixture
@@ -251,9 +251,9 @@ def test_torch_compile_default_is_on_with_a_cuda_gpu_only_where_mds_compiles(fil
     off with one notice where the explicit flag is refused (MS-AMP) and with Transformer Engine FP8 (eager measured
     as fast; --torch-compile compiles around its GEMMs);
     --no-torch-compile wins."""
+    from megatron_ds.arguments import capability
+    from megatron_ds.arguments.resolver import DERIVED, Resolver
     from megatron_ds.torch_support import compile_problem
-    from megatron_ds.training.arguments import capability
-    from megatron_ds.training.arguments.resolver import DERIVED, Resolver
 
     def resolved(*extra, world=1):
         view = Resolver(parse_args(base(files, *extra), env={}), world)  # the decision alone, not every rule
@@ -296,8 +296,8 @@ def test_tp_comm_overlap_needs_tp_and_the_compiled_layers(files, monkeypatch):
     CUDA, halves a micro batch of 2 or more (and it alone runs eagerly too); each refusal names the flag. The bare
     flag becomes the mode that runs here. Without the flag: reorder where the layers compile with TP > 1, else
     off; none turns it off anywhere."""
+    from megatron_ds.arguments import capability
     from megatron_ds.torch_support import compile_problem
-    from megatron_ds.training.arguments import capability
 
     tp2 = ["--tensor-model-parallel-size", "2"]
     args = parse_args(base(files, *tp2), env={})

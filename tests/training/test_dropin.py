@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from dropin_scripts import BY_NAME, SCRIPTS, render  # noqa: E402
 
+from megatron_ds.arguments import ConfigError, parse_args, validate
 from megatron_ds.runtime.bootstrap import visible_gpus
-from megatron_ds.training.arguments import ConfigError, parse_args, validate
 
 ENTRYPOINT = os.path.join(os.path.dirname(sys.executable), "entrypoint")
 REFUSED: dict[str, tuple[str, str]] = {}  # name -> (flag, why): none since Ulysses exists (issue 19)

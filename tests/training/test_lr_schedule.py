@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ds.training.lr_schedule import LRSchedule, ScheduledLR, ScheduleMismatch, schedule_from
+from megatron_ds.arguments.lr_schedule import LRSchedule, ScheduledLR, ScheduleMismatch, schedule_from
 from tests.training.sections import sections
 
 

@@ -63,8 +63,8 @@ MEASURED_FROM_FLAGS = ["gpt1_3b_s2048_mbs16_gbs128_z1_nodrop_1", "peers_one_gpu/
 
 @pytest.mark.parametrize("name", MEASURED_FROM_FLAGS)
 def test_estimate_from_the_flags_is_within_10_percent_of_the_measured_peak(name, demo_corpus):
+    from megatron_ds.arguments import parse_args, validate
     from megatron_ds.training import memory_estimate
-    from megatron_ds.training.arguments import parse_args, validate
 
     path = name.split("/")
     record = json.loads((REPO / "bench" / "results" / f"{path[0]}.json").read_text())
@@ -149,8 +149,8 @@ def test_the_seeds_alcf_line_dry_runs_to_the_estimate_and_a_layout_that_fits(tmp
 def test_fp8_and_offloaded_runs_are_estimated_but_not_refused(demo_corpus):
     """The 16-bit count overestimates FP8 (GPT-1.3B: 72 against 54 GiB measured) and ZeRO offload, so those runs
     are never refused on it (FP8 itself validates only where a GPU is: its flags are set on a copy here)."""
+    from megatron_ds.arguments import ConfigError, parse_args, validate
     from megatron_ds.training import memory_estimate
-    from megatron_ds.training.arguments import ConfigError, parse_args, validate
 
     args = parse_args(["--preset", "GPT1_3B", "--bf16", "--micro-batch-size", "16", "--train-iters", "10", "--lr",
                        "1e-4", "--data-path", demo_corpus.prefix, "--vocab-file", demo_corpus.vocab_file,

@@ -37,7 +37,7 @@ def test_layer_choice_follows_upstream():
 
 
 def test_flags_parse_as_upstream():
-    from megatron_ds.training.arguments import parse_args
+    from megatron_ds.arguments import parse_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
     default = parse_args(base)

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from megatron_ds.training.arguments import parse_args
+from megatron_ds.arguments import parse_args
 from tests.training.test_train_equivalence import ENTRYPOINT, clean_env
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from megatron_ds.training.arguments import parse_args, validate
+from megatron_ds.arguments import parse_args, validate
 from megatron_ds.training.out_of_memory import GIB, levers, message
 
 TORCH_SAYS = "CUDA out of memory. Tried to allocate 1.54 GiB. GPU 0 has a total capacity of 79.18 GiB"

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from megatron_ds.training.arguments import parse_args, validate
-from megatron_ds.training.arguments.resolver import DERIVED
-from megatron_ds.training.settings import NOT_IN_SETTINGS, SECTIONS, Settings, settings_from
+from megatron_ds.arguments import parse_args, validate
+from megatron_ds.arguments.resolver import DERIVED
+from megatron_ds.arguments.settings import NOT_IN_SETTINGS, SECTIONS, Settings, settings_from
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_the_flag_view_is_frozen(files):
     import copy
     import pickle
 
-    from megatron_ds.training.settings import FrozenNamespace, replace_args
+    from megatron_ds.arguments.settings import FrozenNamespace, replace_args
 
     args = parse_args(argv(files, "--micro-batch-size", "2"), env={})
     args.lr = 2e-3  # before validation the flags may still be filled
@@ -96,9 +96,9 @@ def test_the_flag_view_is_frozen(files):
 def test_stored_flags_round_trip_and_older_checkpoints_get_the_parsers_defaults(files, monkeypatch):
     """A checkpoint stores flags_of(settings) as JSON; settings_from_stored rebuilds the same Settings, and a dict
     from before a flag existed gets that flag's default (what the older run effectively had)."""
+    from megatron_ds.arguments import settings_from_stored
+    from megatron_ds.arguments.settings import flags_of
     from megatron_ds.checkpoint.metadata import jsonable
-    from megatron_ds.training.arguments import settings_from_stored
-    from megatron_ds.training.settings import flags_of
 
     monkeypatch.chdir(files)
     settings = validate(parse_args(argv(files, *CONFIGS[1], "--openai-gelu", "--pipeline-model-parallel-size", "2",

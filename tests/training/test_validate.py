@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from megatron_ds.training.arguments import ConfigError, parse_args, validate
-from megatron_ds.training.arguments.rules import RULES
+from megatron_ds.arguments import ConfigError, parse_args, validate
+from megatron_ds.arguments.rules import RULES
 from tests.training.test_arguments import base, files  # noqa: F401 (the fixture)
 
 

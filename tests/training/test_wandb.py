@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.training.arguments import parse_args, validate
+from megatron_ds.arguments import parse_args, validate
 from megatron_ds.training.metrics import wandb_rank, wandb_settings
 
 sys.path.insert(0, os.path.dirname(__file__))

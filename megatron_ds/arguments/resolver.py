@@ -12,8 +12,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from megatron_ds.training.arguments.flags import ConfigError
-from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH, load_ds_config
+from megatron_ds.arguments.flags import ConfigError
+from megatron_ds.arguments.sources import DS_CONFIG_BATCH, load_ds_config
 
 
 class Resolver:
@@ -228,7 +228,7 @@ def torch_compile(view: Resolver) -> bool:
     """--torch-compile given: refused where mds does not compile (capability.compile_off_reason). Not given: on by
     default with a CUDA GPU where mds compiles (measured faster there); eager on CPU, where compiling costs more
     than it saves in small runs and CI."""
-    from megatron_ds.training.arguments import capability
+    from megatron_ds.arguments import capability
 
     asked = view.given("torch_compile")
     if asked:

@@ -12,9 +12,9 @@ import json
 import os
 from collections.abc import Mapping
 
-from megatron_ds.training.arguments.flags import ConfigError, build_parser
-from megatron_ds.training.presets import preset
-from megatron_ds.training.settings import FIELDS, Settings, settings_from
+from megatron_ds.arguments.flags import ConfigError, build_parser
+from megatron_ds.arguments.presets import preset
+from megatron_ds.arguments.settings import FIELDS, Settings, settings_from
 
 # ALCF launch scripts' variables that stand in for a flag the user did not give: (dest, variable). SEQ_LEN is
 # both --seq-length and --max-position-embeddings (ALCF/helpers.sh passes it to both); TRAIN_ITER --train-iters.

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_ds.arguments.presets import PRESETS
 from megatron_ds.data.tokenizers import TOKENIZER_TYPES
 from megatron_ds.parallel.overlap import MODES as OVERLAP_MODES
-from megatron_ds.training.presets import PRESETS
 
 
 class ConfigError(ValueError):

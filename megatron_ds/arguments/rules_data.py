@@ -9,8 +9,8 @@ and a small read per dataset, and the tokenizer load that gives the vocabulary.
 
 from __future__ import annotations
 
-from megatron_ds.training.arguments.flags import ConfigError
-from megatron_ds.training.settings import Settings
+from megatron_ds.arguments.flags import ConfigError
+from megatron_ds.arguments.settings import Settings
 
 REBUILD = "rebuild it (`entrypoint preprocess`) or give the right --data-path"
 

@@ -15,12 +15,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from megatron_ds.arguments import capability, rules_fp8
+from megatron_ds.arguments.flags import ConfigError
+from megatron_ds.arguments.resolver import DERIVED, Resolver, accumulation_steps, without_flag
+from megatron_ds.arguments.settings import FIELDS, Settings, settings_from
+from megatron_ds.arguments.sources import DS_CONFIG_BATCH
 from megatron_ds.env_settings import INDUCTOR_OPTIONS, SettingError
-from megatron_ds.training.arguments import capability, rules_fp8
-from megatron_ds.training.arguments.flags import ConfigError
-from megatron_ds.training.arguments.resolver import DERIVED, Resolver, accumulation_steps, without_flag
-from megatron_ds.training.arguments.sources import DS_CONFIG_BATCH
-from megatron_ds.training.settings import FIELDS, Settings, settings_from
 
 __all__ = ["RULES", "accumulation_steps", "check_ulysses", "validate"]
 
@@ -278,7 +278,7 @@ def _training_length(args: argparse.Namespace) -> None:
 
 
 def _schedule(args: argparse.Namespace) -> None:
-    from megatron_ds.training.lr_schedule import schedule_for
+    from megatron_ds.arguments.lr_schedule import schedule_for
 
     if args.dry_run and (args.lr is None or args.train_iters is None):  # checked where given
         return

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from megatron_ds.training.arguments.flags import ConfigError
+from megatron_ds.arguments.flags import ConfigError
 
 if TYPE_CHECKING:
     from megatron_ds.parallel.state import ParallelDims

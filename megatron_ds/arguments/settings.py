@@ -1,6 +1,6 @@
 """Typed settings of one `entrypoint train` run: frozen sections built from the validated flags.
 
-`validate` (training/arguments/rules.py) checks the parsed flags and derives the values they leave open;
+`validate` (arguments/rules.py) checks the parsed flags and derives the values they leave open;
 `settings_from` copies each value into one section. Every field keeps its flag's name (`--lr-decay-style` is
 `optimizer.lr_decay_style`); lists become tuples. Nothing changes a section after it is built: a variant (a
 checkpoint's layout, a resharding target) is a new one, `dataclasses.replace(section, field=value)`.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_ds.training.settings import Settings
+from megatron_ds.arguments.settings import Settings
 
 STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 # What a resume does when the checkpoint's schedule differs from the flags (upstream's two flags).
