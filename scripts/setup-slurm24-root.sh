@@ -20,18 +20,18 @@ MIRROR=http://deb.debian.org/debian
 PACKAGES=(slurmd slurmctld slurm-client munge runc apptainer/sid squashfuse fuse2fs)
 STAMP="${ROOT}/.mds-root"
 
-if [ -f "${STAMP}" ] && [ "$(cat "${STAMP}")" = "${SUITE}: ${PACKAGES[*]}" ]; then
-    echo "mds: slurm24 root: ${ROOT} is complete (${SUITE}: ${PACKAGES[*]})"
-    exit 0
-fi
+exit_if_complete() {
+    if [ -f "${STAMP}" ] && [ "$(cat "${STAMP}")" = "${SUITE}: ${PACKAGES[*]}" ]; then
+        echo "mds: slurm24 root: ${ROOT} is complete (${SUITE}: ${PACKAGES[*]})"
+        exit 0
+    fi
+}
+exit_if_complete
 [ "$(id -u)" -eq 0 ] || { echo "mds: slurm24 root: needs root (debootstrap, chroot)" >&2; exit 1; }
 mkdir -p "$(dirname "${ROOT}")"
 exec 9>"${ROOT}.lock"
 flock 9
-if [ -f "${STAMP}" ] && [ "$(cat "${STAMP}")" = "${SUITE}: ${PACKAGES[*]}" ]; then  # built by the run we waited for
-    echo "mds: slurm24 root: ${ROOT} is complete (${SUITE}: ${PACKAGES[*]})"
-    exit 0
-fi
+exit_if_complete  # built by the run we waited for
 command -v debootstrap >/dev/null || PATH="$PATH:/usr/sbin:/sbin"
 command -v debootstrap >/dev/null || { echo "mds: slurm24 root: debootstrap not found (apt-get install debootstrap)" >&2; exit 1; }
 

@@ -56,6 +56,17 @@ def _one_error_line(result: subprocess.CompletedProcess, start: str) -> str:
     return lines[0]
 
 
+def _failed_save_line(result: subprocess.CompletedProcess, ckpt: Path, failed: int, kept: int, error: str) -> str:
+    """The one line of a save the disk refused: the error and the path, the space, the checkpoint `latest` still
+    names and the way on (exit 74)."""
+    line = _one_error_line(result, f"saving iteration {failed} failed")
+    assert f"{error} writing {ckpt / f'.tmp-iter_{failed:07d}'}" in line, line
+    assert "the save needs about " in line and " are free there" in line, line
+    assert f"`latest` still names the last complete checkpoint {ckpt / f'iter_{kept:07d}'}" in line, line
+    assert f"resume with --load {ckpt} (exit 74)" in line, line
+    return line
+
+
 @pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
 def test_full_disk_keeps_the_last_checkpoint_names_the_space_and_resumes(mode, demo_corpus, tmp_path, mounts):
     """Two ranks at ZeRO-2 (each writes its own optimizer partition): the ranks agree on the failure. With
@@ -66,11 +77,8 @@ def test_full_disk_keeps_the_last_checkpoint_names_the_space_and_resumes(mode, d
     ckpt = disk / "ckpt"
     flags = ["--zero-stage", "2", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "10", *mode]
     result = run(train_argv(demo_corpus, 2, flags, iters=30), tmp_path / "full", code=SAVE_FAILED)
-    line = _one_error_line(result, "saving iteration 30 failed")
-    assert "No space left on device (errno ENOSPC) writing " + str(ckpt / ".tmp-iter_0000030") in line, line
-    assert "the save needs about 5.9 MB" in line and " are free there" in line, line
-    assert f"`latest` still names the last complete checkpoint {ckpt / 'iter_0000020'}" in line, line
-    assert f"resume with --load {ckpt} (exit 74)" in line, line
+    line = _failed_save_line(result, ckpt, 30, 20, "No space left on device (errno ENOSPC)")
+    assert "the save needs about 5.9 MB" in line, line
     warning = _one_error_line(result, "warning: the save needs about")
     assert "it will fail unless space is freed" in warning
     assert (ckpt / "latest").read_text() == "iter_0000020"
@@ -153,11 +161,7 @@ def test_failing_disk_keeps_the_last_checkpoint_and_names_the_io_error(mode, dem
     ckpt = failing_disk(6_000_000) / "ckpt"
     flags = ["--save", str(ckpt), "--save-interval", "10", *mode]
     result = run(train_argv(demo_corpus, 1, flags, iters=30), tmp_path / "eio", code=SAVE_FAILED)
-    line = _one_error_line(result, "saving iteration 20 failed")
-    assert "Input/output error (errno EIO) writing " + str(ckpt / ".tmp-iter_0000020") in line, line
-    assert "the save needs about " in line and " are free there" in line, line
-    assert f"`latest` still names the last complete checkpoint {ckpt / 'iter_0000010'}" in line, line
-    assert f"resume with --load {ckpt} (exit 74)" in line, line
+    _failed_save_line(result, ckpt, 20, 10, "Input/output error (errno EIO)")
     assert (ckpt / "latest").read_text() == "iter_0000010"
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["iter_0000010"]  # no .tmp-iter_0000020
 
