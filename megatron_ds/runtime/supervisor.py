@@ -3,6 +3,9 @@
 Each rank runs in its own session (process group), so stopping a rank also stops whatever it
 started. When one rank fails the others get SIGTERM, then SIGKILL once a shared grace deadline
 passes; every group is reaped, and the exit code is the first failed rank's (signal N -> 128+N).
+A rank that exits with one of the FINAL codes (a configuration error, a non-finite loss, a refused
+save) stopped where every rank stops alike, and rank 0 prints why: the others get the grace to end
+by themselves before the SIGTERM, so that line is never cut off.
 SIGTERM, SIGINT and SIGUSR1 received by the supervisor are forwarded to every rank.
 
 A rank that is still not reaped `reap_wait` seconds (default 30) after its SIGKILL (a process in
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ds.env_settings import WATCHDOG_DIR
+from megatron_ds.runtime.restarts import FINAL
 from megatron_ds.runtime.watchdog import HANG_EXIT, Verdict, Watchdog
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -146,13 +150,19 @@ class Supervisor:
         if piped:  # threads only after every fork: preexec_fn and threads do not mix
             self.outputs = [_Output(s, p.stdout, self.label, self.tee_dir) for s, p in zip(self.specs, self.procs)]
 
-    def _close(self) -> None:
-        """TERM the live ranks, wait against one deadline, KILL the rest (once: a KILL is never lost)."""
+    def _wait_live(self, until: float) -> None:
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < until:
+            time.sleep(0.05)
+
+    def _close(self, agreed: bool = False) -> None:
+        """TERM the live ranks, wait against one deadline, KILL the rest (once: a KILL is never lost).
+        ``agreed``: the failed rank stopped where every rank stops; the others first get the grace to end alone."""
+        if agreed and self.stop_deadline is None:
+            self._wait_live(time.monotonic() + self.grace)
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.grace
             self._signal_all(signal.SIGTERM)
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < self.stop_deadline:
-            time.sleep(0.05)
+        self._wait_live(self.stop_deadline)
         if any(p.poll() is None for p in self.procs) and self.kill_deadline is None:
             stragglers = [s.rank for s, p in zip(self.specs, self.procs) if p.poll() is None]
             _log(f"rank(s) {stragglers} still alive at the grace deadline after SIGTERM: SIGKILL")
@@ -186,7 +196,7 @@ class Supervisor:
                     if code not in (None, 0) and self.failure is None:
                         self.failure = (spec, exit_code(code))
                         self._report()
-                        self._close()
+                        self._close(agreed=code in FINAL)
                 if self.watchdog is not None and self.failure is None and self.stop_deadline is None:
                     live = {s.rank for s, c in zip(self.specs, codes) if c is None}
                     overdue = self.watchdog.overdue(live)
@@ -229,8 +239,10 @@ class Supervisor:
         after = f" after the launcher received signal {self.received[0]}" if self.received else ""
         others = len([p for p in self.procs if p.poll() is None])
         index = self.specs.index(spec)
+        stopping = (f"waiting up to {self.grace:g} s for {others} other rank(s) to stop there too" if code in FINAL
+                    else f"stopping {others} other rank(s)")
         _log(f"root cause: rank {spec.rank} (local rank {spec.local_rank}, pid {self.procs[index].pid}) "
-             f"{how}{after}; stopping {others} other rank(s)")
+             f"{how}{after}; {stopping}")
         if self.outputs:  # its last lines, once its pipe has drained
             self.outputs[index].thread.join(timeout=2)
             tail = b"".join(self.outputs[index].tail).decode(errors="replace").rstrip()

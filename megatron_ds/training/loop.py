@@ -481,6 +481,8 @@ class Trainer:
             if self.parallel.rank == 0:
                 print(stop_message(err, settings.checkpoint.save, settings.checkpoint.load, NONFINITE_EXIT),
                       file=sys.stderr, flush=True)
+            if dist.is_initialized():  # no rank leaves before that line: a launcher stops the rest at the first exit
+                dist.barrier()
             return NONFINITE_EXIT
         finally:
             self.metrics.close()

@@ -1,9 +1,12 @@
 """Generated job scripts are valid shell (bash -n, shellcheck); the doctor reports and enforces flavours."""
 
+import importlib.machinery
+import importlib.util
 import json
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from runtime_helpers import ENTRYPOINT, clean_env
@@ -123,17 +126,20 @@ def test_doctor_strict_fails_on_the_wrong_platform_and_a_broken_manifest(tmp_pat
     assert checks["apex"]["state"] == "BROKEN" and "undefined symbol" in checks["apex"]["detail"]
 
 
+OCI_BUNDLE = Path(__file__).resolve().parents[2] / "scripts" / "oci-bundle"
+
+
+def _oci_bundle_module():
+    loader = importlib.machinery.SourceFileLoader("oci_bundle", str(OCI_BUNDLE))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("oci_bundle", loader))
+    loader.exec_module(module)
+    return module
+
+
 def test_oci_bundle_config_shares_the_hosts_network_and_binds_each_dir(tmp_path):
     """scripts/oci-bundle's config.json (the bundle `--runtime oci` runs): ranks on the host's network and host name,
     the devices of the host, each DIR at its own path; a DIR that does not exist exits 2 naming it."""
-    import importlib.machinery
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "scripts" / "oci-bundle"
-    loader = importlib.machinery.SourceFileLoader("oci_bundle", str(script))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("oci_bundle", loader))
-    loader.exec_module(module)
+    script, module = OCI_BUNDLE, _oci_bundle_module()
     spec = module.config(["PATH=/usr/bin"], "/workspace", ["/shared/data", "/shared/ckpt"])
     assert {n["type"] for n in spec["linux"]["namespaces"]} == {"pid", "ipc", "mount"}  # no network, no uts
     assert "hostname" not in spec and spec["process"]["terminal"] is False
@@ -145,3 +151,25 @@ def test_oci_bundle_config_shares_the_hosts_network_and_binds_each_dir(tmp_path)
     missing = subprocess.run([str(script), "mds:latest", str(tmp_path / "b"), str(tmp_path / "nowhere")],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and f"{tmp_path / 'nowhere'} is not a directory" in missing.stderr
+
+
+def test_oci_bundle_makes_every_mount_point_inside_the_rootfs(tmp_path):
+    """The mount points are made before any task runs (two tasks' runc would race to make them), each where the
+    container sees it: an absolute link in the image (Debian's /var/run -> /run) leads within the rootfs, never
+    to the host's directory of that name."""
+    module = _oci_bundle_module()
+    rootfs, host = tmp_path / "rootfs", tmp_path / "host"
+    (rootfs / "run").mkdir(parents=True)
+    (rootfs / "var").mkdir()
+    (rootfs / "var" / "run").symlink_to("/run")
+    (rootfs / "etc").mkdir()
+    (rootfs / "shared").symlink_to(str(host))  # absolute, naming a host path: inside the image it is rootfs/<that>
+    data = tmp_path / "data"
+    data.mkdir()
+    module.make_mount_points(rootfs, module.config([], "/", [str(data), str(host / "ckpt")]))
+    assert (rootfs / "run" / "slurm").is_dir() and not (rootfs / "var" / "slurm").exists()
+    assert (rootfs / "etc" / "hosts").is_file() and (rootfs / "etc" / "resolv.conf").is_file()
+    for path in ("proc", "sys", "dev", "dev/shm", "tmp", "var/tmp", str(data).lstrip("/")):
+        assert module.inside(rootfs, "/" + path).is_dir(), path
+    assert not host.exists(), "a link in the image was followed on the host"
+    assert (rootfs / str(host).lstrip("/") / "ckpt").is_dir()

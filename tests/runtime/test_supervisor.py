@@ -1,6 +1,7 @@
-"""The supervisor with a rank it cannot reap: it names the rank and ends the job instead of hanging.
+"""The supervisor with a rank it cannot reap: it names the rank and ends the job instead of hanging; and with
+ranks that stop alike (a FINAL exit code): the last one still says why before the job ends.
 
-The rank is real and unreapable: a tracer in another session seizes it (ptrace), so once the rank
+The unreapable rank is real: a tracer in another session seizes it (ptrace), so once the rank
 dies its exit is reported to the tracer only, and the supervisor's waitpid keeps saying "running"
 for as long as the tracer lives (the kernel's rule: a zombie ptracee is visible only to its tracer).
 """
@@ -96,3 +97,32 @@ def test_an_unreapable_rank_is_named_and_the_job_still_ends(tmp_path, case, expe
     assert f"rank 0 (local rank 0, pid {rank0}) could not be reaped 2 s after SIGKILL" in stderr, stderr
     assert "held, e.g. by a tracer" in stderr, stderr
     assert stderr.count("SIGKILL\n") == 1, f"SIGKILL sent more than once:\n{stderr}"
+
+
+STOPS_ALIKE = """
+import os, sys, time
+code = int(sys.argv[1])
+if os.environ["RANK"] == "0":
+    time.sleep(1.5)  # reaches the shared stop later than rank 1, then says why (no SIGTERM handler: TERM ends it)
+    print("rank 0: stopped at the same step", flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("code, said", [(65, True), (74, True), (1, False)])
+def test_ranks_that_stop_alike_finish_their_last_line(tmp_path, code, said):
+    """Rank 1 exits first. With a FINAL code (65: a non-finite loss, 74: a refused save) rank 0, stopping at the
+    same point, prints its line and exits by itself; with an ordinary failure (1) it is stopped at once."""
+    script = tmp_path / "rank.py"
+    script.write_text(STOPS_ALIKE)
+    driver = ("import os, sys\nfrom megatron_ds.runtime.supervisor import RankSpec, supervise\n"
+              f"specs = [RankSpec(r, r, [sys.executable, {str(script)!r}, '{code}'], dict(os.environ, RANK=str(r)))"
+              " for r in range(2)]\nsys.exit(supervise(specs, grace=5))\n")
+    started = time.monotonic()
+    result = subprocess.run([PY, "-c", driver], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == code, result.stderr
+    assert ("rank 0: stopped at the same step" in result.stdout) is said, result.stdout + result.stderr
+    assert "still alive at the grace deadline" not in result.stderr, result.stderr
+    assert time.monotonic() - started < 5, "rank 0 ended within the grace, and the job with it"
+    waiting = "waiting up to 5 s for 1 other rank(s) to stop there too"
+    assert (waiting in result.stderr) is said, result.stderr
