@@ -228,9 +228,10 @@ def main(argv: list[str]) -> int:
     {"gather": gather, "scatter": scatter}[phase](spec)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megatron_ds.runtime.bootstrap import leave_rank
+
+    leave_rank(main(sys.argv[1:]))  # as training's ranks end: gloo's threads must not meet the interpreter's teardown

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
 
 from megatron_ds.arguments import ConfigError, parse_args, validate
 from megatron_ds.arguments.rules_data import data_within_vocabulary
@@ -57,7 +56,7 @@ def main(argv: list[str]) -> int:
               f"add 1-3 GiB{'; an upper bound: ' + why if (why := memory_estimate.unestimated(settings)) else ''})\n"
               "nothing started (--dry-run)")
         return 0
-    from megatron_ds.runtime.bootstrap import become_rank
+    from megatron_ds.runtime.bootstrap import become_rank, leave_rank
 
     # With --exit-signal-handler a TERM means "finish the step and save": give the ranks time for it.
     signal_grace = SIGNAL_GRACE.get() if runtime.exit_signal_handler else None
@@ -102,21 +101,3 @@ def _out_of_memory(settings, err: BaseException) -> int:
                                         out_of_memory.device_memory(index),
                                         os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                                         stage_layers=getattr(err, "stage_layers", None)))  # set by loop.train
-
-
-def leave_rank(code: int) -> NoReturn:
-    """End a rank whose work is done and flushed, skipping the interpreter's teardown.
-
-    Gloo's C++ worker threads live as long as their process group, and DeepSpeed keeps references
-    to the groups, so they outlive destroy_process_group(). If one of them drops a tensor while the
-    interpreter is finalizing, it must take the GIL, Python ends that thread with pthread_exit, and
-    the forced unwind through a noexcept destructor aborts the process ("terminate called without
-    an active exception", exit 134) after a run that succeeded: seen in CI, 2 of one suite run's
-    multi-rank trainings, at random.
-    """
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

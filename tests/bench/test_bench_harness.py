@@ -168,7 +168,7 @@ params = sum(p.numel() for p in built.engine.module.parameters())
 line = json.dumps({"rank": int(os.environ["RANK"]), "params": params, "tp": args.tensor_model_parallel_size,
                    "world": args.world_size, "profile": os.environ.get("MDS_PROFILE")})
 os.write(1, f"BUILT {line}\\n".encode())
-from megatron_ds.training.cli import leave_rank
+from megatron_ds.runtime.bootstrap import leave_rank
 leave_rank(0)  # as `entrypoint train` ends a rank: gloo's threads can abort the interpreter's teardown (cli.py)
 """
 

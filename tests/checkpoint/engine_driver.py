@@ -139,6 +139,6 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_ds.training.cli import leave_rank
+    from megatron_ds.runtime.bootstrap import leave_rank
 
     leave_rank(main(sys.argv[1:]))  # as `entrypoint train` ranks do: DeepSpeed's groups must not meet teardown

@@ -90,6 +90,6 @@ def main(phase: str, directory: str) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_ds.training.cli import leave_rank
+    from megatron_ds.runtime.bootstrap import leave_rank
 
     leave_rank(main(sys.argv[1], sys.argv[2]))

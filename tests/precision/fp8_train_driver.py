@@ -37,6 +37,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_ds.training.cli import leave_rank
+    from megatron_ds.runtime.bootstrap import leave_rank
 
     leave_rank(main(sys.argv[1:]))

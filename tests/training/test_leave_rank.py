@@ -8,7 +8,7 @@ import time
 
 SCRIPT = """
 import threading, sys
-from megatron_ds.training.cli import leave_rank
+from megatron_ds.runtime.bootstrap import leave_rank
 
 threading.Thread(target=threading.Event().wait).start()  # a thread the interpreter's teardown would wait on
 print("trained", flush=False)
