@@ -154,10 +154,14 @@ class Supervisor:
         while any(p.poll() is None for p in self.procs) and time.monotonic() < until:
             time.sleep(0.05)
 
-    def _close(self, agreed: bool = False) -> None:
+    def _stopped_alike(self) -> bool:
+        """The first failure is a FINAL exit: that rank stopped where every rank stops, and rank 0 says why."""
+        return self.failure is not None and self.failure[1] in FINAL
+
+    def _close(self) -> None:
         """TERM the live ranks, wait against one deadline, KILL the rest (once: a KILL is never lost).
-        ``agreed``: the failed rank stopped where every rank stops; the others first get the grace to end alone."""
-        if agreed and self.stop_deadline is None:
+        After a FINAL exit the others first get the grace to end by themselves."""
+        if self._stopped_alike() and self.stop_deadline is None:
             self._wait_live(time.monotonic() + self.grace)
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.grace
@@ -196,7 +200,7 @@ class Supervisor:
                     if code not in (None, 0) and self.failure is None:
                         self.failure = (spec, exit_code(code))
                         self._report()
-                        self._close(agreed=code in FINAL)
+                        self._close()
                 if self.watchdog is not None and self.failure is None and self.stop_deadline is None:
                     live = {s.rank for s, c in zip(self.specs, codes) if c is None}
                     overdue = self.watchdog.overdue(live)
@@ -239,8 +243,8 @@ class Supervisor:
         after = f" after the launcher received signal {self.received[0]}" if self.received else ""
         others = len([p for p in self.procs if p.poll() is None])
         index = self.specs.index(spec)
-        stopping = (f"waiting up to {self.grace:g} s for {others} other rank(s) to stop there too" if code in FINAL
-                    else f"stopping {others} other rank(s)")
+        stopping = (f"waiting up to {self.grace:g} s for {others} other rank(s) to stop there too"
+                    if self._stopped_alike() else f"stopping {others} other rank(s)")
         _log(f"root cause: rank {spec.rank} (local rank {spec.local_rank}, pid {self.procs[index].pid}) "
              f"{how}{after}; {stopping}")
         if self.outputs:  # its last lines, once its pipe has drained
